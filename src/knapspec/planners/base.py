@@ -1,0 +1,77 @@
+"""The planner interface: propose a draft (``plan``), learn from the result (``update``)."""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import attrs
+
+from knapspec.registry import Registry
+from knapspec.sampling import SamplingParams
+from knapspec.types import DraftPlan, StepOutcome
+
+if TYPE_CHECKING:
+    from knapspec.costmodels.base import CostModel
+    from knapspec.model.cache import KVCache
+    from knapspec.model.engine import SublayerEngine
+    from knapspec.proxies.base import ValueProxy
+    from knapspec.window import ReferenceWindow
+
+
+@attrs.frozen
+class PlanningContext:
+    """Everything a planner may read. Planners never write the cache.
+
+    Attributes:
+        engine: the sublayer engine (run items functionally with ``run_item``/``run_masks``).
+        cache: the verified KV cache; read-only for planners.
+        context_length: committed tokens in the cache.
+        window: the reference window, or None before the first commit.
+        cost_model, proxy: the decoder's components.
+        max_draft_length: D, the largest γ a plan may use.
+        sampling: the decoder's sampling parameters (the proxy's α depends on them).
+        round_index: speculation rounds done in this generation call.
+    """
+
+    engine: SublayerEngine
+    cache: KVCache
+    context_length: int
+    window: ReferenceWindow | None
+    cost_model: CostModel | None
+    proxy: ValueProxy | None
+    max_draft_length: int
+    sampling: SamplingParams
+    round_index: int = 0
+
+
+class Planner(abc.ABC):
+    """Chooses the draft mask and draft length γ for each speculation round.
+
+    ``plan`` is called before every round and should return its current plan cheaply when
+    it decides not to re-plan; the decoder times every call and reports it as plan time.
+    """
+
+    registered_name: ClassVar[str] = ""
+    #: attrs frozen class of validated hyper-parameters, consumed by ``from_config``.
+    config_class: ClassVar[type[Any]]
+
+    @abc.abstractmethod
+    def plan(self, context: PlanningContext) -> DraftPlan:
+        """The draft plan for the next round (γ = 0 means a plain autoregressive step)."""
+
+    def update(self, outcome: StepOutcome) -> None:  # noqa: B027 - optional hook
+        """Feedback after a round (accepted count, timings). Default: ignore."""
+
+    def reset(self) -> None:  # noqa: B027 - optional hook
+        """Forget per-generation state; called at the start of every ``generate``."""
+
+    @classmethod
+    def from_config(cls, config: Any, engine: SublayerEngine) -> Planner:
+        """Build from a validated config (registry entry point)."""
+        raise NotImplementedError(f"{cls.__name__} cannot be built from a config")
+
+
+PLANNERS: Registry[Planner] = Registry("planner")
+
+__all__ = ["PLANNERS", "Planner", "PlanningContext"]

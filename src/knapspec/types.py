@@ -1,0 +1,182 @@
+"""Small frozen records handed between the stages: engine -> planner -> decoder.
+
+Item numbering, used everywhere in the library: a model with ``L`` decoder layers has
+``2L`` items; item ``2i`` is the attention sublayer of layer ``i`` and item ``2i + 1`` its
+MLP sublayer. Hidden-state *points* are numbered ``0..2L``: point 0 is the embedding
+output and point ``k + 1`` is the residual stream after item ``k``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from enum import Enum
+
+import attrs
+
+
+class ItemKind(str, Enum):
+    """The two kinds of sublayer a decoder layer holds."""
+
+    ATTENTION = "attn"
+    MLP = "mlp"
+
+
+def item_kind(item: int) -> ItemKind:
+    """Kind of item ``item`` under the library's numbering (even = attention)."""
+    return ItemKind.ATTENTION if item % 2 == 0 else ItemKind.MLP
+
+
+def item_layer(item: int) -> int:
+    """Decoder layer that item ``item`` belongs to."""
+    return item // 2
+
+
+def _check_executed(instance: SublayerMask, attribute: attrs.Attribute[object], value: object) -> None:
+    if not isinstance(value, tuple) or not all(isinstance(v, bool) for v in value):
+        raise TypeError("SublayerMask.executed must be a tuple of bools")
+    if len(value) == 0 or len(value) % 2 != 0:
+        raise ValueError(
+            f"SublayerMask needs 2L entries (one per attention and MLP item); got {len(value)}"
+        )
+
+
+@attrs.frozen(repr=False)
+class SublayerMask:
+    """Which of the ``2L`` sublayers a draft executes.
+
+    ``executed[k]`` is True when item ``k`` runs; a skipped item is the identity on the
+    residual stream. The full model is the all-True mask.
+    """
+
+    executed: tuple[bool, ...] = attrs.field(
+        converter=lambda v: tuple(bool(x) for x in v), validator=_check_executed
+    )
+
+    @classmethod
+    def full(cls, num_layers: int) -> SublayerMask:
+        """The mask that runs every item (the target model itself)."""
+        return cls((True,) * (2 * num_layers))
+
+    @classmethod
+    def from_skipped(cls, num_layers: int, skipped: Iterable[int]) -> SublayerMask:
+        """Build a mask from the indices of the items to skip."""
+        executed = [True] * (2 * num_layers)
+        for item in skipped:
+            if not 0 <= item < 2 * num_layers:
+                raise ValueError(f"item {item} out of range for {num_layers} layers")
+            executed[item] = False
+        return cls(tuple(executed))
+
+    @classmethod
+    def from_layers(cls, num_layers: int, skipped_layers: Iterable[int]) -> SublayerMask:
+        """Skip whole layers (attention and MLP together), as SWIFT/CLaSp-style drafts do."""
+        items = [i for layer in skipped_layers for i in (2 * layer, 2 * layer + 1)]
+        return cls.from_skipped(num_layers, items)
+
+    @classmethod
+    def early_exit(cls, num_layers: int, exit_layer: int) -> SublayerMask:
+        """LayerSkip-style draft: run the first ``exit_layer`` layers, skip the rest."""
+        if not 1 <= exit_layer <= num_layers:
+            raise ValueError(f"exit_layer must be in [1, {num_layers}], got {exit_layer}")
+        return cls.from_layers(num_layers, range(exit_layer, num_layers))
+
+    @property
+    def num_items(self) -> int:
+        return len(self.executed)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.executed) // 2
+
+    @property
+    def skipped(self) -> tuple[int, ...]:
+        """Indices of the skipped items, ascending."""
+        return tuple(i for i, run in enumerate(self.executed) if not run)
+
+    @property
+    def num_skipped(self) -> int:
+        return self.executed.count(False)
+
+    @property
+    def num_attention_executed(self) -> int:
+        return sum(self.executed[0::2])
+
+    @property
+    def num_mlp_executed(self) -> int:
+        return sum(self.executed[1::2])
+
+    @property
+    def is_full(self) -> bool:
+        return all(self.executed)
+
+    def attention(self, layer: int) -> bool:
+        """Whether layer ``layer``'s attention sublayer runs."""
+        return self.executed[2 * layer]
+
+    def mlp(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP sublayer runs."""
+        return self.executed[2 * layer + 1]
+
+    def item_map(self) -> str:
+        """A readable two-row map: ``A`` / ``M`` run, ``.`` skipped, one column per layer."""
+        attn = "".join("A" if run else "." for run in self.executed[0::2])
+        mlp = "".join("M" if run else "." for run in self.executed[1::2])
+        return f"attn {attn}\nmlp  {mlp}"
+
+    def to_list(self) -> list[int]:
+        """Skipped item indices, the compact serialised form."""
+        return list(self.skipped)
+
+    def __repr__(self) -> str:
+        return (
+            f"SublayerMask(layers={self.num_layers}, skipped={self.num_skipped}: "
+            f"{list(self.skipped)})"
+        )
+
+
+def _non_negative(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0, got {value}")
+
+
+@attrs.frozen
+class DraftPlan:
+    """What a planner proposes for the next speculation rounds.
+
+    ``draft_length`` (gamma) is the maximum number of draft tokens; 0 means "take a plain
+    autoregressive step with the full model". The predicted fields are the planner's own
+    estimates, kept for the stats and for drift detection.
+    """
+
+    mask: SublayerMask
+    draft_length: int = attrs.field(validator=_non_negative)
+    predicted_acceptance: float | None = None
+    predicted_tokens_per_second: float | None = None
+    source: str = "static"
+
+    @classmethod
+    def autoregressive(cls, num_layers: int, source: str = "fallback") -> DraftPlan:
+        """The gamma = 0 plan: no speculation."""
+        return cls(SublayerMask.full(num_layers), 0, source=source)
+
+
+@attrs.frozen
+class StepOutcome:
+    """What happened in one speculation round, fed back to ``Planner.update``."""
+
+    plan: DraftPlan
+    context_length: int
+    drafted: int
+    accepted: int
+    draft_time_s: float
+    verify_time_s: float
+
+    @property
+    def committed(self) -> int:
+        """Tokens committed this round: accepted drafts plus the bonus token."""
+        return self.accepted + 1
+
+
+def as_mask(value: SublayerMask | Sequence[bool]) -> SublayerMask:
+    """Coerce a sequence of bools to a ``SublayerMask``."""
+    return value if isinstance(value, SublayerMask) else SublayerMask(tuple(value))
