@@ -53,6 +53,9 @@ class Planner(abc.ABC):
     """
 
     registered_name: ClassVar[str] = ""
+    #: Whether the planner reads the reference window (and so needs a cost model and a
+    #: proxy); the decoder skips capturing hidden states for planners that do not.
+    uses_window: ClassVar[bool] = True
     #: attrs frozen class of validated hyper-parameters, consumed by ``from_config``.
     config_class: ClassVar[type[Any]]
 

@@ -42,6 +42,7 @@ class StaticPlanner(Planner):
     """
 
     config_class = StaticPlannerConfig
+    uses_window = False
 
     def __init__(self, mask: SublayerMask, draft_length: int) -> None:
         if draft_length < 0:
@@ -106,6 +107,7 @@ class AutoregressivePlanner(Planner):
     """Never speculates: every round is a plain full-model step (γ = 0)."""
 
     config_class = AutoregressivePlannerConfig
+    uses_window = False
 
     @classmethod
     def from_config(cls, config: Any, engine: SublayerEngine) -> AutoregressivePlanner:

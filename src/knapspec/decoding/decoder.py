@@ -1,0 +1,446 @@
+"""The speculative decoding loop: plan, draft with a sub-network, verify, commit.
+
+One round (batch size 1)::
+
+    plan  = planner.plan(context)                  # mask S and draft length γ
+    draft = up to γ tokens with f^(S), stopping when the draft's top-1 prob < τ_conf
+    logits = full model on [pending token, drafts]  # one forward, writes all layers
+    commit the accepted prefix + one target token; crop every layer's cache
+
+A plan with γ = 0 is a plain autoregressive step. Greedy output equals the target's greedy
+output token for token; sampled output is distributed exactly as the target's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+from torch import nn
+
+from knapspec.costmodels.base import CostModel, LatencyObservation
+from knapspec.decoding.stats import GenerationStats, PlanRecord
+from knapspec.decoding.verify import Verdict, check_finite, verify_greedy, verify_sampling
+from knapspec.model.engine import ContextLengthError, SublayerEngine
+from knapspec.planners.base import Planner, PlanningContext
+from knapspec.proxies.base import ValueProxy
+from knapspec.sampling import SamplingParams, processed_probs
+from knapspec.types import DraftPlan, StepOutcome
+from knapspec.window import WindowBuffer
+
+if TYPE_CHECKING:
+    from transformers.generation.streamers import BaseStreamer
+
+    from knapspec.config import DecoderConfig
+
+
+@attrs.frozen
+class GenerationResult:
+    """Output of :meth:`SpeculativeDecoder.generate`.
+
+    Attributes:
+        tokens: ``(new,)`` generated token ids.
+        sequences: ``(1, prompt + new)`` prompt and generated ids, as ``model.generate``.
+        stats: counters and timers of the call.
+    """
+
+    tokens: torch.Tensor
+    sequences: torch.Tensor
+    stats: GenerationStats
+
+
+#: Prompt tokens whose hidden states seed the reference window after prefill, so the first
+#: plan can be made right away instead of after several full-model rounds.
+PREFILL_WINDOW_TOKENS = 8
+
+
+def _check_range(name: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+
+class SpeculativeDecoder:
+    """Self-speculative decoder over a Hugging Face causal LM.
+
+    Args:
+        model: a loaded model of a supported family (Llama, Mistral, Qwen2, Qwen3) or a
+            :class:`SublayerEngine` wrapping one.
+        planner: chooses the draft mask and γ each round (default: the ``knapsack`` planner).
+        cost_model: latency predictions (default: an online-calibrated model seeded by a
+            cached or quick profile of this machine). Only built when the planner needs it.
+        proxy: value proxy for the planner (default: ``cosine``).
+        max_draft_length: D, the largest γ (>= 1).
+        window_rounds: m, rounds of committed tokens kept in the reference window (>= 1).
+        window_max_tokens: upper bound on the window's token count.
+        confidence_threshold: τ_conf in [0, 1]; drafting stops when the draft's top-1
+            probability falls below it (the plan's γ is the cap). 0 disables early exit.
+        sampling: default sampling parameters (greedy by default).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | SublayerEngine,
+        *,
+        planner: Planner | None = None,
+        cost_model: CostModel | None = None,
+        proxy: ValueProxy | None = None,
+        max_draft_length: int = 10,
+        window_rounds: int = 5,
+        window_max_tokens: int = 64,
+        confidence_threshold: float = 0.7,
+        sampling: SamplingParams | None = None,
+    ) -> None:
+        if max_draft_length < 1:
+            raise ValueError(f"max_draft_length must be >= 1, got {max_draft_length}")
+        if window_rounds < 1:
+            raise ValueError(f"window_rounds must be >= 1, got {window_rounds}")
+        if window_max_tokens < 1:
+            raise ValueError(f"window_max_tokens must be >= 1, got {window_max_tokens}")
+        _check_range("confidence_threshold", confidence_threshold, 0.0, 1.0)
+        self.engine = model if isinstance(model, SublayerEngine) else SublayerEngine(model)
+        self.planner = planner if planner is not None else _default_planner(self.engine)
+        needs_components = self.planner.uses_window
+        self.proxy = proxy if proxy is not None or not needs_components else _default_proxy(self.engine)
+        self.cost_model = (
+            cost_model
+            if cost_model is not None or not needs_components
+            else _default_cost_model(self.engine)
+        )
+        self.max_draft_length = max_draft_length
+        self.confidence_threshold = confidence_threshold
+        self.sampling = sampling if sampling is not None else SamplingParams()
+        self._window = WindowBuffer(window_rounds, window_max_tokens)
+        self._cache = self.engine.new_cache(256)
+
+    @classmethod
+    def from_config(cls, model: nn.Module | SublayerEngine, config: DecoderConfig | Any) -> SpeculativeDecoder:
+        """Build every component from a :class:`~knapspec.config.DecoderConfig`.
+
+        ``config`` may also be a mapping (``DecoderConfig.from_dict``) or a path to a TOML /
+        JSON file.
+        """
+        from knapspec.config import DecoderConfig, build_components, load_config
+
+        if isinstance(config, dict):
+            config = DecoderConfig.from_dict(config)
+        elif not isinstance(config, DecoderConfig):
+            config = load_config(config)
+        engine = model if isinstance(model, SublayerEngine) else SublayerEngine(model)
+        planner, cost_model, proxy = build_components(config, engine)
+        return cls(
+            engine,
+            planner=planner,
+            cost_model=cost_model,
+            proxy=proxy,
+            max_draft_length=config.max_draft_length,
+            window_rounds=config.window_rounds,
+            window_max_tokens=config.window_max_tokens,
+            confidence_threshold=config.confidence_threshold,
+            sampling=config.sampling,
+        )
+
+    # ------------------------------------------------------------------ API
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids: torch.Tensor | Sequence[int],
+        *,
+        max_new_tokens: int = 128,
+        eos_token_id: int | Sequence[int] | None = None,
+        sampling: SamplingParams | None = None,
+        streamer: BaseStreamer | None = None,
+    ) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` tokens after ``input_ids``.
+
+        Args:
+            input_ids: ``(n,)`` or ``(1, n)`` prompt token ids (batch size 1).
+            eos_token_id: token id(s) that end generation (included in the output).
+            sampling: overrides the decoder's sampling parameters for this call.
+            streamer: a transformers ``BaseStreamer``; receives the prompt, then every
+                committed token in order, then ``end()``.
+
+        Raises:
+            ValueError: batch > 1, empty prompt, ``max_new_tokens < 1``.
+            ContextLengthError: prompt + ``max_new_tokens`` exceeds the model's context.
+            NonFiniteLogitsError: the model produced NaN/inf logits.
+        """
+        prompt = self._validate_prompt(input_ids)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.engine.check_context(prompt.numel() + max_new_tokens)
+        params = sampling if sampling is not None else self.sampling
+        stop_ids = _stop_set(eos_token_id)
+        generator = None
+        if params.do_sample:
+            generator = torch.Generator(device=self.engine.device)
+            if params.seed is not None:
+                generator.manual_seed(params.seed)
+            else:
+                generator.seed()
+        run = _Run(self, prompt, max_new_tokens, stop_ids, params, generator, streamer)
+        return run.execute()
+
+    def _validate_prompt(self, input_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        ids = torch.as_tensor(input_ids)
+        if ids.dim() == 2:
+            if ids.shape[0] != 1:
+                raise ValueError(
+                    f"batch size {ids.shape[0]} is not supported: SpeculativeDecoder decodes one "
+                    f"sequence at a time (pass input_ids of shape (1, n))"
+                )
+            ids = ids[0]
+        if ids.dim() != 1:
+            raise ValueError(f"input_ids must have shape (n,) or (1, n), got {tuple(ids.shape)}")
+        if ids.numel() == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.engine.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.engine.vocab_size}); got out-of-range ids")
+        return ids.to(device=self.engine.device, dtype=torch.long)
+
+
+def _stop_set(eos_token_id: int | Sequence[int] | torch.Tensor | None) -> frozenset[int]:
+    if eos_token_id is None:
+        return frozenset()
+    if isinstance(eos_token_id, int):
+        return frozenset({eos_token_id})
+    if isinstance(eos_token_id, torch.Tensor):
+        return frozenset(int(t) for t in eos_token_id.flatten().tolist())
+    return frozenset(int(t) for t in eos_token_id)
+
+
+class _Run:
+    """State of one ``generate`` call. Everything is reset per call, so an exception
+    mid-generation leaves the decoder usable."""
+
+    def __init__(
+        self,
+        decoder: SpeculativeDecoder,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        stop_ids: frozenset[int],
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        streamer: BaseStreamer | None,
+    ) -> None:
+        self.decoder = decoder
+        self.engine = decoder.engine
+        self.prompt = prompt
+        self.max_new_tokens = max_new_tokens
+        self.stop_ids = stop_ids
+        self.params = params
+        self.generator = generator
+        self.streamer = streamer
+        self.stats = GenerationStats(prompt_tokens=prompt.numel())
+        self.output: list[int] = []
+        self.cache = decoder._cache
+        self.uses_window = decoder.planner.uses_window
+        self.synchronize = self.engine.device.type == "cuda"
+
+    def _now(self) -> float:
+        if self.synchronize:
+            torch.cuda.synchronize(self.engine.device)
+        return time.perf_counter()
+
+    def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """Pick a token from ``logits (vocab,)``: argmax, or a sample from the processed p."""
+        if not self.params.do_sample:
+            return int(logits.argmax()), None
+        probs = processed_probs(logits, self.params)
+        return int(torch.multinomial(probs, 1, generator=self.generator)), probs
+
+    def execute(self) -> GenerationResult:
+        decoder, engine, cache, stats = self.decoder, self.engine, self.cache, self.stats
+        start_time = self._now()
+        cache.reset()
+        decoder._window.clear()
+        decoder.planner.reset()
+        if self.streamer is not None:
+            self.streamer.put(self.prompt.unsqueeze(0).cpu())
+        n = self.prompt.numel()
+        cache.reserve(n + self.max_new_tokens + decoder.max_draft_length + 1)
+
+        seed = min(PREFILL_WINDOW_TOKENS, n) if self.uses_window else None
+        out = engine.forward(
+            self.prompt, 0, cache, all_logits=False, capture_points=self.uses_window, capture_last=seed
+        )
+        check_finite(out.logits, "prefill")
+        if out.points is not None and seed:
+            # Target tokens for the seed: the model's argmax after each seed token.
+            seed_logits = engine.logits(out.hidden[-seed:])
+            decoder._window.push(out.points, self.prompt[-seed:], seed_logits.argmax(-1), n - seed)
+        pending, _ = self._choose(out.logits[-1])
+        stats.prefill_time_s = self._now() - start_time
+        self._commit([pending])
+
+        round_index = 0
+        last_plan: DraftPlan | None = None
+        while not self._finished():
+            plan_start = self._now()
+            context = PlanningContext(
+                engine=engine,
+                cache=cache,
+                context_length=n,
+                window=decoder._window.window() if self.uses_window else None,
+                cost_model=decoder.cost_model,
+                proxy=decoder.proxy,
+                max_draft_length=decoder.max_draft_length,
+                sampling=self.params,
+                round_index=round_index,
+            )
+            plan = decoder.planner.plan(context)
+            stats.plan_time_s += self._now() - plan_start
+            if plan != last_plan:
+                self._record_plan(plan, round_index, n)
+                last_plan = plan
+            budget = min(
+                plan.draft_length,
+                decoder.max_draft_length,
+                self.max_new_tokens - len(self.output) - 1,
+                engine.max_context - n - 1,
+            )
+            drafts, draft_probs, draft_time = self._draft(plan, pending, n, max(0, budget))
+            verdict, verify_time, points, target_next = self._verify(pending, drafts, draft_probs, n)
+            accepted = verdict.accepted
+            # Inputs at positions n .. n + accepted are now committed: keep their K/V only.
+            cache.crop(n + accepted + 1)
+            if points is not None and target_next is not None:
+                inputs = torch.tensor([pending, *drafts[:accepted]], device=engine.device)
+                decoder._window.push(points[:, : accepted + 1], inputs, target_next[: accepted + 1], n)
+            n += accepted + 1
+            committed = self._commit(verdict.tokens)
+            stats.record_round(len(drafts), accepted, committed)
+            pending = verdict.tokens[-1]
+            outcome = StepOutcome(plan, n, len(drafts), accepted, draft_time, verify_time)
+            decoder.planner.update(outcome)
+            round_index += 1
+
+        stats.wall_time_s = self._now() - start_time
+        stats.new_tokens = len(self.output)
+        if self.streamer is not None:
+            self.streamer.end()
+        tokens = torch.tensor(self.output, dtype=torch.long)
+        sequences = torch.cat([self.prompt.cpu(), tokens]).unsqueeze(0)
+        return GenerationResult(tokens=tokens, sequences=sequences, stats=stats)
+
+    def _finished(self) -> bool:
+        if len(self.output) >= self.max_new_tokens:
+            self.stats.stop_reason = self.stats.stop_reason or "max_new_tokens"
+            return True
+        return bool(self.stats.stop_reason)
+
+    def _commit(self, tokens: list[int]) -> int:
+        """Append tokens up to the limit / first stop token; stream them. Returns the count."""
+        room = self.max_new_tokens - len(self.output)
+        kept: list[int] = []
+        for token in tokens[:room]:
+            kept.append(token)
+            if token in self.stop_ids:
+                self.stats.stop_reason = "eos"
+                break
+        self.output.extend(kept)
+        if self.streamer is not None and kept:
+            self.streamer.put(torch.tensor(kept, dtype=torch.long))
+        return len(kept)
+
+    def _draft(
+        self, plan: DraftPlan, pending: int, n: int, budget: int
+    ) -> tuple[list[int], torch.Tensor | None, float]:
+        """Draft up to ``budget`` tokens with the plan's mask, from position ``n``."""
+        if budget == 0:
+            return [], None, 0.0
+        engine, cost_model = self.engine, self.decoder.cost_model
+        threshold = self.decoder.confidence_threshold
+        drafts: list[int] = []
+        probs: list[torch.Tensor] = []
+        token = pending
+        total = 0.0
+        for step in range(budget):
+            step_start = self._now()
+            out = engine.forward(
+                torch.tensor([token], device=engine.device), n + step, self.cache, plan.mask
+            )
+            logits = out.logits[0]
+            check_finite(logits, "drafting")
+            token, q = self._choose(logits)
+            if q is None:
+                confidence = float(torch.softmax(logits, dim=-1).max())
+            else:
+                confidence = float(q.max())
+                probs.append(q)
+            drafts.append(token)
+            elapsed = self._now() - step_start
+            total += elapsed
+            if cost_model is not None:
+                cost_model.observe(LatencyObservation("draft", n + step, elapsed, 1, plan.mask))
+            if confidence < threshold:
+                break  # the low-confidence token is still verified
+        self.stats.draft_time_s += total
+        return drafts, (torch.stack(probs) if probs else None), total
+
+    def _verify(
+        self, pending: int, drafts: list[int], draft_probs: torch.Tensor | None, n: int
+    ) -> tuple[Verdict, float, torch.Tensor | None, torch.Tensor | None]:
+        """One full forward over ``[pending, *drafts]``; returns the verdict and the window data."""
+        engine = self.engine
+        verify_start = self._now()
+        inputs = torch.tensor([pending, *drafts], device=engine.device)
+        out = engine.forward(inputs, n, self.cache, capture_points=self.uses_window)
+        check_finite(out.logits, "verification")
+        target_next = out.logits.argmax(dim=-1)
+        if self.params.do_sample:
+            target_probs = processed_probs(out.logits, self.params)
+            assert draft_probs is not None or not drafts
+            empty = target_probs[:0]
+            verdict = verify_sampling(
+                drafts, draft_probs if draft_probs is not None else empty, target_probs, self.generator
+            )
+        else:
+            verdict = verify_greedy(drafts, out.logits)
+        elapsed = self._now() - verify_start
+        self.stats.verify_time_s += elapsed
+        if self.decoder.cost_model is not None:
+            self.decoder.cost_model.observe(LatencyObservation("verify", n, elapsed, len(drafts) + 1))
+        return verdict, elapsed, out.points, target_next
+
+    def _record_plan(self, plan: DraftPlan, round_index: int, n: int) -> None:
+        skipped = plan.mask.skipped
+        self.stats.plans.append(
+            PlanRecord(
+                round_index=round_index,
+                context_length=n,
+                draft_length=plan.draft_length,
+                skipped_attention=sum(1 for i in skipped if i % 2 == 0),
+                skipped_mlp=sum(1 for i in skipped if i % 2 == 1),
+                skipped_items=skipped,
+                source=plan.source,
+                predicted_acceptance=plan.predicted_acceptance,
+            )
+        )
+
+
+def _default_planner(engine: SublayerEngine) -> Planner:
+    from knapspec.planners import PLANNERS
+
+    cls = PLANNERS.get("knapsack")
+    return cls.from_config(cls.config_class(), engine)
+
+
+def _default_proxy(engine: SublayerEngine) -> ValueProxy:
+    from knapspec.proxies import PROXIES
+
+    cls = PROXIES.get("cosine")
+    return cls.from_config(cls.config_class(), engine)
+
+
+def _default_cost_model(engine: SublayerEngine) -> CostModel:
+    from knapspec.costmodels import default_cost_model
+
+    return default_cost_model(engine)
+
+
+__all__ = ["ContextLengthError", "GenerationResult", "SpeculativeDecoder"]
