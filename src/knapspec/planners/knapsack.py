@@ -1,0 +1,459 @@
+"""KnapSpec's planner: knapsack DP over sublayers, then a TPT grid search over drafts × γ.
+
+One plan (method spec §5-6):
+
+1. integer item weights from the cost model at the current context length ``n``
+   (``w_attn``, ``w_mlp``; whole layers weigh their sum when attention and MLP are tied),
+   divided by their common divisor (the same problem with fewer budgets);
+2. a **provable shortcut**: with the draft cost as low as any budget allows and perfect
+   acceptance (α = 1), can speculation beat a plain step at all? If not, return γ = 0
+   without running the model (one additive knapsack over item times, microseconds);
+3. the batched hidden-state DP (:func:`~knapspec.planners.dp.hidden_state_dp`) on the last
+   few window tokens: one candidate mask per reachable skipped weight;
+4. candidate filtering: drop candidates that cannot beat a plain step even at α = 1
+   (provable), and — by default — candidates dominated in (score, draft cost) (a
+   heuristic: it assumes acceptance does not fall as the score rises);
+5. α of the remaining candidates from the value proxy (batched), and the grid search over
+   candidates × γ ∈ {0..D} maximising TPT with the cost model's draft, verify and overhead
+   costs plus the amortised planning time. γ = 0 wins whenever speculation does not pay.
+
+Re-planning is governed by :class:`~knapspec.planners.replan.ReplanPolicy`; between plans,
+:meth:`KnapsackPlanner.plan` returns the current plan at no cost.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Any, Literal
+
+import attrs
+import numpy as np
+import torch
+
+from knapspec.planners.base import PLANNERS, Planner, PlanningContext
+from knapspec.planners.dp import (
+    HiddenStateDPResult,
+    additive_knapsack,
+    half_budget,
+    hidden_state_dp,
+    layer_groups,
+    mean_cosine,
+    single_items,
+)
+from knapspec.planners.objective import GridSearchResult, RoundCosts, grid_search
+from knapspec.planners.replan import ReplanConfig, ReplanPolicy, ReplanReason
+from knapspec.types import DraftPlan, StepOutcome, SublayerMask
+
+if TYPE_CHECKING:
+    from knapspec.costmodels.base import CostModel
+    from knapspec.model.engine import SublayerEngine
+
+Objective = Literal["tpt", "tpl"]
+BoolArray = np.ndarray[Any, np.dtype[np.bool_]]
+FloatArray = np.ndarray[Any, np.dtype[np.float64]]
+
+
+def _probability(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and not -1.0 <= value <= 1.0:
+        raise ValueError(
+            f"{attribute.name} must be a cosine threshold in [-1, 1] or None, got {value}"
+        )
+
+
+def _unit_interval(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{attribute.name} must be in [0, 1], got {value}")
+
+
+def _optional_ge1(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"{attribute.name} must be >= 1 or None, got {value}")
+
+
+@attrs.frozen
+class KnapsackPlannerConfig:
+    """Hyper-parameters of :class:`KnapsackPlanner`.
+
+    Attributes:
+        tau: DP pruning threshold τ on the value (cosine); None disables pruning.
+        budget_fraction: the half-budget bound — skip at most this fraction of the weight.
+        max_budget: an absolute cap on the skipped weight (None: only the fraction).
+        max_window_tokens: the DP uses at most the last this-many window tokens.
+        max_batch_rows: bound on ``live budgets × window tokens`` per batched item call; the
+            window is shortened (down to one token) to respect it. None: no bound.
+        decoupled: attention and MLP are separate items (KnapSpec); False ties each layer
+            into one item (the ablation, CLaSp-like structure with KnapSpec's costs).
+        objective: ``"tpt"`` (tokens per second, needs a cost model) or ``"tpl"`` (DEL's
+            tokens-per-layer, for the ablation).
+        allow_no_speculation: γ = 0 may win (off only for the ablation).
+        pareto_candidates: estimate α only for candidates not dominated in (score, cost).
+        max_draft_length: cap on γ below the decoder's D (None: D).
+        amortise_planning: charge the amortised planning time to speculative rounds in TPT.
+        context_growth, acceptance_drift, drift_min_rounds, acceptance_smoothing,
+        every_rounds, max_planning_fraction: the re-planning policy
+            (:class:`~knapspec.planners.replan.ReplanConfig`).
+    """
+
+    tau: float | None = attrs.field(default=0.5, validator=_probability)
+    budget_fraction: float = attrs.field(default=0.5, validator=_unit_interval)
+    max_budget: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.ge(0))
+    )
+    max_window_tokens: int = attrs.field(default=4, validator=attrs.validators.ge(1))
+    max_batch_rows: int | None = attrs.field(default=128, validator=_optional_ge1)
+    decoupled: bool = True
+    objective: Objective = attrs.field(
+        default="tpt", validator=attrs.validators.in_(("tpt", "tpl"))
+    )
+    allow_no_speculation: bool = True
+    pareto_candidates: bool = True
+    max_draft_length: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.ge(0))
+    )
+    amortise_planning: bool = True
+    context_growth: float | None = ReplanConfig().context_growth
+    acceptance_drift: float | None = ReplanConfig().acceptance_drift
+    drift_min_rounds: int = ReplanConfig().drift_min_rounds
+    acceptance_smoothing: float = ReplanConfig().acceptance_smoothing
+    every_rounds: int | None = ReplanConfig().every_rounds
+    max_planning_fraction: float | None = ReplanConfig().max_planning_fraction
+
+    def replan_config(self) -> ReplanConfig:
+        """The re-planning fields as a validated :class:`ReplanConfig`."""
+        return ReplanConfig(
+            context_growth=self.context_growth,
+            acceptance_drift=self.acceptance_drift,
+            drift_min_rounds=self.drift_min_rounds,
+            acceptance_smoothing=self.acceptance_smoothing,
+            every_rounds=self.every_rounds,
+            max_planning_fraction=self.max_planning_fraction,
+        )
+
+
+@attrs.frozen
+class KnapsackSearch:
+    """What one full plan computed (kept as ``KnapsackPlanner.last_search_`` for reports).
+
+    Attributes:
+        plan: the plan returned.
+        context_length: ``n`` at planning time.
+        weights: ``(w_attn, w_mlp)`` from the cost model (``(1, 1)`` under TPL).
+        dp_weights: the DP item weights actually used (after tying and the common divisor).
+        max_budget: the skipped-weight bound.
+        shortcut: True when the α = 1 bound proved γ = 0 optimal and no DP ran.
+        dp: the DP result (None with the shortcut or a degenerate setting).
+        candidates: DP candidate indices whose α was estimated.
+        alphas: their estimated acceptance.
+        grid: the grid search over them (None when it did not run).
+        seconds: wall time of the whole plan.
+    """
+
+    plan: DraftPlan
+    context_length: int
+    weights: tuple[int, int]
+    dp_weights: tuple[int, ...]
+    max_budget: int
+    shortcut: bool
+    dp: HiddenStateDPResult | None
+    candidates: tuple[int, ...]
+    alphas: tuple[float, ...]
+    grid: GridSearchResult | None
+    seconds: float
+
+
+@PLANNERS.register("knapsack")
+class KnapsackPlanner(Planner):
+    """KnapSpec: knapsack DP over attention/MLP items, TPT grid search over drafts × γ.
+
+    Needs ``context.cost_model`` under the TPT objective (a :class:`ValueError` names the
+    fix otherwise). Without ``context.proxy``, α is the top-1 agreement of each candidate's
+    final state with the full model's greedy tokens on the DP window (the reference code's
+    estimate), and the DP scores by mean cosine.
+
+    Args:
+        config: hyper-parameters; defaults are the paper's (τ = 0.5, half budget) plus
+            CPU-sized bounds on the DP batch.
+    """
+
+    config_class = KnapsackPlannerConfig
+
+    def __init__(self, config: KnapsackPlannerConfig | None = None) -> None:
+        self.config = config if config is not None else KnapsackPlannerConfig()
+        self.policy = ReplanPolicy(self.config.replan_config())
+        self.last_search_: KnapsackSearch | None = None
+        self.last_reason_: ReplanReason | None = None
+
+    @classmethod
+    def from_config(cls, config: Any, engine: SublayerEngine) -> KnapsackPlanner:
+        if not isinstance(config, KnapsackPlannerConfig):
+            raise TypeError(
+                f"KnapsackPlanner needs a KnapsackPlannerConfig, got {type(config).__name__}"
+            )
+        return cls(config)
+
+    # ------------------------------------------------------------- Planner API
+    def reset(self) -> None:
+        self.policy.reset()
+        self.last_reason_ = None
+
+    def update(self, outcome: StepOutcome) -> None:
+        self.policy.observe(outcome)
+
+    def plan(self, context: PlanningContext) -> DraftPlan:
+        current = self.policy.plan_
+        if current is not None and current.mask.num_items != context.engine.num_items:
+            self.policy.reset()  # a plan for another model: start over
+            current = None
+        reason = self.policy.decide(context.context_length, context.window is not None)
+        self.last_reason_ = reason
+        if reason is None:
+            if current is None:
+                return DraftPlan.autoregressive(context.engine.num_layers, source="knapsack")
+            if self.policy.acceptance_fell():
+                # The plan is losing, but the time budget forbids a new search yet: fall
+                # back to plain steps (always safe) until the policy allows re-planning.
+                current = DraftPlan.autoregressive(context.engine.num_layers, source="knapsack")
+                self.policy.replace_plan(current)
+            return current
+        started = time.perf_counter()
+        search = self.search(context)
+        seconds = time.perf_counter() - started
+        self.last_search_ = attrs.evolve(search, seconds=seconds)
+        self.policy.record_plan(search.plan, context.context_length, seconds)
+        return search.plan
+
+    @property
+    def planning_seconds(self) -> float:
+        """Total time spent in full plans since the last :meth:`reset`."""
+        return self.policy.planning_seconds_
+
+    @property
+    def plans_made(self) -> int:
+        return self.policy.plans_made_
+
+    # ------------------------------------------------------------- the search
+    def search(self, context: PlanningContext) -> KnapsackSearch:
+        """One full plan, ignoring the re-planning policy (benchmarks call this directly).
+
+        The cache is only read. Raises :class:`ValueError` when the TPT objective has no
+        cost model or the context has no reference window.
+        """
+        config = self.config
+        engine = context.engine
+        n = context.context_length
+        if context.window is None:
+            raise ValueError("KnapsackPlanner.search needs a reference window (none committed yet)")
+        cost_model = context.cost_model
+        if config.objective == "tpt" and cost_model is None:
+            raise ValueError(
+                "KnapsackPlanner with objective='tpt' needs a cost model: pass cost_model= to "
+                "the decoder (e.g. a fitted or online one) or use objective='tpl'"
+            )
+        max_draft = context.max_draft_length
+        if config.max_draft_length is not None:
+            max_draft = min(max_draft, config.max_draft_length)
+        weights = (
+            cost_model.weights(n)
+            if (cost_model is not None and config.objective == "tpt")
+            else (1, 1)
+        )
+        groups = (
+            single_items(engine.num_items) if config.decoupled else layer_groups(engine.num_layers)
+        )
+        dp_weights = _reduced_weights(groups, weights)
+        max_budget = half_budget(dp_weights, config.budget_fraction)
+        if config.max_budget is not None:
+            max_budget = min(max_budget, config.max_budget)
+
+        def no_speculation(shortcut: bool, dp: HiddenStateDPResult | None = None) -> KnapsackSearch:
+            tps = 1.0 / cost_model.step_cost(n) if cost_model is not None else None
+            plan = DraftPlan(
+                SublayerMask.full(engine.num_layers),
+                0,
+                predicted_tokens_per_second=tps,
+                source="knapsack",
+            )
+            return KnapsackSearch(
+                plan, n, weights, dp_weights, max_budget, shortcut, dp, (), (), None, 0.0
+            )
+
+        if max_draft == 0 or max_budget == 0:
+            return no_speculation(shortcut=True)
+        tpt = config.objective == "tpt" and cost_model is not None
+        # Provable shortcut: not even the cheapest draft at α = 1 beats a plain step.
+        if (
+            tpt
+            and config.allow_no_speculation
+            and cost_model is not None
+            and not _can_beat_autoregressive(
+                cost_model, groups, dp_weights, max_budget, n, max_draft
+            )
+        ):
+            return no_speculation(shortcut=True)
+
+        budgets = max_budget + 1
+        tokens = min(config.max_window_tokens, context.window.size)
+        if config.max_batch_rows is not None:
+            tokens = max(1, min(tokens, config.max_batch_rows // budgets))
+        score_fn = context.proxy.score if context.proxy is not None else mean_cosine
+        dp = hidden_state_dp(
+            engine,
+            context.window,
+            context.cache,
+            dp_weights,
+            max_budget=max_budget,
+            groups=groups,
+            min_score=config.tau,
+            score_fn=score_fn,
+            max_window_tokens=tokens,
+        )
+        if dp.num_candidates == 0:
+            return no_speculation(shortcut=False, dp=dp)
+
+        planning = self.policy.amortised_planning_seconds if config.amortise_planning else 0.0
+        if tpt and cost_model is not None:
+            costs = RoundCosts.from_cost_model(cost_model, dp.masks, n, max_draft, planning)
+        else:
+            costs = RoundCosts.layer_counting(dp.masks, max_draft)
+        keep = np.ones(dp.num_candidates, dtype=bool)
+        if config.allow_no_speculation:
+            keep &= _can_pay_at_perfect_acceptance(costs)
+        if config.pareto_candidates:
+            keep &= _pareto_front(dp.scores.double().cpu().numpy(), costs.draft)
+        candidates = tuple(int(i) for i in np.flatnonzero(keep))
+        if not candidates:
+            return no_speculation(shortcut=False, dp=dp)
+        alphas = self._acceptance(context, dp, candidates)
+        subset = RoundCosts(
+            draft=costs.draft[list(candidates)], verify=costs.verify, planning=costs.planning
+        )
+        grid = grid_search(alphas, subset, allow_no_speculation=config.allow_no_speculation)
+        chosen = candidates[grid.candidate]
+        if grid.draft_length == 0:
+            result = no_speculation(shortcut=False, dp=dp)
+            return attrs.evolve(result, candidates=candidates, alphas=tuple(alphas), grid=grid)
+        tps: float | None = grid.objective
+        if not tpt:
+            tps = None
+            if cost_model is not None:
+                spend = grid.draft_length * cost_model.draft_cost(dp.masks[chosen], n)
+                tps = grid.expected_tokens / (
+                    spend + cost_model.verify_cost(grid.draft_length + 1, n)
+                )
+        plan = DraftPlan(
+            dp.masks[chosen],
+            grid.draft_length,
+            predicted_acceptance=float(alphas[grid.candidate]),
+            predicted_tokens_per_second=tps,
+            source="knapsack",
+        )
+        return KnapsackSearch(
+            plan,
+            n,
+            weights,
+            dp_weights,
+            max_budget,
+            False,
+            dp,
+            candidates,
+            tuple(alphas),
+            grid,
+            0.0,
+        )
+
+    def _acceptance(
+        self, context: PlanningContext, dp: HiddenStateDPResult, candidates: tuple[int, ...]
+    ) -> list[float]:
+        """α of each candidate: from the proxy (batched), or top-1 agreement without one."""
+        states = dp.final_states[list(candidates)]
+        if context.proxy is not None:
+            estimates = context.proxy.estimate_acceptance(
+                context.engine, dp.window, states, context.sampling
+            )
+            if len(estimates) != len(candidates):
+                raise RuntimeError(
+                    f"proxy returned {len(estimates)} estimates for {len(candidates)} candidates"
+                )
+            return [float(e.alpha) for e in estimates]
+        with torch.inference_mode():
+            predicted = context.engine.logits(states).argmax(dim=-1)  # (K, r)
+        target = dp.window.target_tokens.to(predicted.device)
+        return [float(x) for x in (predicted == target).float().mean(dim=-1).tolist()]
+
+
+# ---------------------------------------------------------------------------- helpers
+def _reduced_weights(
+    groups: tuple[tuple[int, ...], ...], weights: tuple[int, int]
+) -> tuple[int, ...]:
+    """Per DP item, the summed weights of its engine items, divided by their common divisor.
+
+    Dividing by the gcd leaves the set of feasible skip sets per budget unchanged and
+    shrinks the number of budgets (e.g. tied layers of weight 4 become weight 1).
+    """
+    w_attn, w_mlp = weights
+    raw = [sum(w_attn if item % 2 == 0 else w_mlp for item in group) for group in groups]
+    divisor = math.gcd(*raw) or 1
+    return tuple(w // divisor for w in raw)
+
+
+def _item_times(cost_model: CostModel, groups: tuple[tuple[int, ...], ...], n: int) -> list[float]:
+    """Predicted seconds of each DP item (the sum of its engine items' times)."""
+    return [
+        sum(
+            cost_model.t_attn(n, item // 2) if item % 2 == 0 else cost_model.t_mlp(item // 2)
+            for item in group
+        )
+        for group in groups
+    ]
+
+
+def _can_beat_autoregressive(
+    cost_model: CostModel,
+    groups: tuple[tuple[int, ...], ...],
+    dp_weights: tuple[int, ...],
+    max_budget: int,
+    n: int,
+    max_draft: int,
+) -> bool:
+    """Whether *some* draft within the budget could beat a plain step, even at α = 1.
+
+    The cheapest draft per exact budget comes from an additive knapsack over item times
+    (maximise the executed items' negative time). If the grid search prefers γ = 0 even
+    with those costs and perfect acceptance, no candidate of the hidden-state DP can win:
+    its drafts cost at least as much and accept at most as often. Uses the cost model's
+    per-item times and overhead (the base ``draft_cost`` formula).
+    """
+    times = _item_times(cost_model, groups, n)
+    cheapest = additive_knapsack(dp_weights, [-t for t in times], max_budget)
+    draft = cost_model.overhead(n) - cheapest.scores.numpy()
+    verify = np.array(
+        [cost_model.step_cost(n)]
+        + [cost_model.verify_cost(k + 1, n) for k in range(1, max_draft + 1)]
+    )
+    best = grid_search(np.ones(draft.size), RoundCosts(draft=np.maximum(draft, 0.0), verify=verify))
+    return best.speculates
+
+
+def _can_pay_at_perfect_acceptance(costs: RoundCosts) -> BoolArray:
+    """Per candidate: does any γ ≥ 1 beat a plain step when α = 1? (a provable filter)."""
+    gamma = np.arange(1, costs.verify.size)
+    best = (
+        (gamma + 1)[None, :]
+        / (gamma[None, :] * costs.draft[:, None] + costs.verify[None, 1:] + costs.planning)
+    ).max(axis=1)
+    result: BoolArray = best > 1.0 / costs.verify[0]
+    return result
+
+
+def _pareto_front(scores: FloatArray, draft_costs: FloatArray) -> BoolArray:
+    """Candidates not dominated: no other has a score >= and a cost <=, one of them strictly."""
+    better_or_equal = (scores[None, :] >= scores[:, None]) & (
+        draft_costs[None, :] <= draft_costs[:, None]
+    )
+    strictly = (scores[None, :] > scores[:, None]) | (draft_costs[None, :] < draft_costs[:, None])
+    dominated: BoolArray = np.asarray((better_or_equal & strictly).any(axis=1), dtype=bool)
+    return ~dominated
+
+
+__all__ = ["KnapsackPlanner", "KnapsackPlannerConfig", "KnapsackSearch"]

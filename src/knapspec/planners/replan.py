@@ -1,0 +1,222 @@
+"""When to re-plan: a policy that keeps planning's share of generation time small.
+
+Re-planning triggers (each configurable, any may be switched off):
+
+* **no plan** yet while a reference window exists (the first plan);
+* **context growth**: the context grew by ``context_growth`` (a fraction) since the last
+  plan — the best draft shifts from MLP to attention skips as the context grows;
+* **acceptance drift**: the observed per-token acceptance (an EMA over rounds, from
+  :class:`~knapspec.types.StepOutcome`) differs from the plan's prediction by more than
+  ``acceptance_drift``;
+* **periodic**: every ``every_rounds`` rounds — also while the plan is γ = 0, when there is
+  no acceptance to observe, so that a turn to copy-heavy text is noticed.
+
+Every trigger except the first is held back by a **time budget**: a re-plan is allowed only
+once the generation time since the last plan is large enough that the last plan's measured
+time is at most ``max_planning_fraction`` of the total, ``t_plan / (t_plan + t_since) <= f``.
+The amortised planning share therefore stays near ``f`` whatever one DP costs.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+import attrs
+
+from knapspec.types import DraftPlan, StepOutcome
+
+
+def _fraction(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and not 0.0 < value < 1.0:
+        raise ValueError(f"{attribute.name} must be in (0, 1) or None, got {value}")
+
+
+def _positive_or_none(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and not value > 0:
+        raise ValueError(f"{attribute.name} must be > 0 or None, got {value}")
+
+
+def _optional_at_least_one(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"{attribute.name} must be >= 1 or None, got {value}")
+
+
+@attrs.frozen
+class ReplanConfig:
+    """Hyper-parameters of :class:`ReplanPolicy` (None switches a trigger off).
+
+    Attributes:
+        context_growth: re-plan when the context grew by this fraction since the last plan.
+        acceptance_drift: re-plan when ``|observed α (EMA) - predicted α|`` exceeds this.
+        drift_min_rounds: speculative rounds observed before drift may trigger.
+        acceptance_smoothing: weight of the newest round in the acceptance EMA, in (0, 1).
+        every_rounds: re-plan at least every this-many rounds (also under a γ = 0 plan).
+        max_planning_fraction: the time budget ``f`` holding back every trigger but the
+            first plan.
+    """
+
+    context_growth: float | None = attrs.field(default=0.25, validator=_positive_or_none)
+    acceptance_drift: float | None = attrs.field(default=0.2, validator=_positive_or_none)
+    drift_min_rounds: int = attrs.field(default=4, validator=attrs.validators.ge(1))
+    acceptance_smoothing: float = attrs.field(default=0.3, validator=_fraction)
+    every_rounds: int | None = attrs.field(default=32, validator=_optional_at_least_one)
+    max_planning_fraction: float | None = attrs.field(default=0.05, validator=_fraction)
+
+
+class ReplanReason(str, Enum):
+    """Why a re-plan was requested (kept in the planner's stats)."""
+
+    INITIAL = "initial"
+    CONTEXT_GROWTH = "context_growth"
+    ACCEPTANCE_DRIFT = "acceptance_drift"
+    PERIODIC = "periodic"
+
+
+class ReplanPolicy:
+    """Decides, before each round, whether the planner should plan again.
+
+    The planner calls :meth:`decide` before planning, :meth:`record_plan` after each plan
+    (with its measured time) and :meth:`observe` with every round's outcome.
+
+    Args:
+        config: the triggers and the time budget.
+    """
+
+    def __init__(self, config: ReplanConfig | None = None) -> None:
+        self.config = config if config is not None else ReplanConfig()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the current plan and all observations (a new generation)."""
+        self.plan_: DraftPlan | None = None
+        self.planned_at_length_: int = 0
+        self.last_plan_seconds_: float = 0.0
+        self.rounds_since_plan_: int = 0
+        self.seconds_since_plan_: float = 0.0
+        self.speculative_rounds_: int = 0
+        self.accepted_ema_: float | None = None
+        self.trials_ema_: float | None = None
+        self.plans_made_: int = 0
+        self.planning_seconds_: float = 0.0
+
+    # ------------------------------------------------------------------ feedback
+    def record_plan(self, plan: DraftPlan, context_length: int, seconds: float) -> None:
+        """A new plan was made at ``context_length``, taking ``seconds``."""
+        self.plan_ = plan
+        self.planned_at_length_ = context_length
+        self.last_plan_seconds_ = max(0.0, seconds)
+        self.rounds_since_plan_ = 0
+        self.seconds_since_plan_ = 0.0
+        self.speculative_rounds_ = 0
+        self.accepted_ema_ = self.trials_ema_ = None
+        self.plans_made_ += 1
+        self.planning_seconds_ += max(0.0, seconds)
+
+    def observe(self, outcome: StepOutcome) -> None:
+        """One round's result: timings always, acceptance when tokens were drafted.
+
+        Per-token acceptance is estimated as accepted / trials, where a round's trials are
+        its accepted drafts plus one if a draft was rejected (the geometric-law estimate);
+        both counts are smoothed by the same EMA.
+        """
+        self.rounds_since_plan_ += 1
+        self.seconds_since_plan_ += max(0.0, outcome.draft_time_s + outcome.verify_time_s)
+        if outcome.drafted <= 0:
+            return
+        trials = outcome.accepted + (1 if outcome.accepted < outcome.drafted else 0)
+        if trials == 0:
+            return
+        weight = self.config.acceptance_smoothing
+        if self.accepted_ema_ is None or self.trials_ema_ is None:
+            self.accepted_ema_, self.trials_ema_ = float(outcome.accepted), float(trials)
+        else:
+            self.accepted_ema_ += weight * (outcome.accepted - self.accepted_ema_)
+            self.trials_ema_ += weight * (trials - self.trials_ema_)
+        self.speculative_rounds_ += 1
+
+    @property
+    def observed_acceptance(self) -> float | None:
+        """The smoothed per-token acceptance under the current plan (None before data)."""
+        if self.accepted_ema_ is None or not self.trials_ema_:
+            return None
+        return self.accepted_ema_ / self.trials_ema_
+
+    @property
+    def amortised_planning_seconds(self) -> float:
+        """Planning time charged to each speculative round by the TPT search.
+
+        The last plan's time spread over the rounds the time budget makes it last at least
+        (or over ``every_rounds`` when there is no budget).
+        """
+        rounds = self.expected_rounds_per_plan()
+        return self.last_plan_seconds_ / rounds if rounds else 0.0
+
+    def expected_rounds_per_plan(self) -> float:
+        """Rounds one plan is expected to serve (for amortising its cost); 0 if unknown."""
+        config = self.config
+        if config.every_rounds is not None:
+            return float(config.every_rounds)
+        return 0.0
+
+    def acceptance_fell(self) -> bool:
+        """Whether a speculative plan's observed acceptance fell below its prediction by
+        more than ``acceptance_drift`` (after ``drift_min_rounds`` rounds)."""
+        config = self.config
+        plan = self.plan_
+        observed = self.observed_acceptance
+        return (
+            config.acceptance_drift is not None
+            and plan is not None
+            and plan.draft_length > 0
+            and plan.predicted_acceptance is not None
+            and observed is not None
+            and self.speculative_rounds_ >= config.drift_min_rounds
+            and observed < plan.predicted_acceptance - config.acceptance_drift
+        )
+
+    def replace_plan(self, plan: DraftPlan) -> None:
+        """Swap the current plan without counting a new plan (its timers keep running)."""
+        self.plan_ = plan
+        self.speculative_rounds_ = 0
+        self.accepted_ema_ = self.trials_ema_ = None
+
+    # ------------------------------------------------------------------ decision
+    def within_budget(self) -> bool:
+        """Whether enough generation time passed since the last plan to afford another."""
+        fraction = self.config.max_planning_fraction
+        if fraction is None:
+            return True
+        needed = self.last_plan_seconds_ * (1.0 - fraction) / fraction
+        return self.seconds_since_plan_ >= needed
+
+    def decide(self, context_length: int, has_window: bool) -> ReplanReason | None:
+        """The reason to re-plan now, or None to keep the current plan."""
+        if not has_window:
+            return None
+        if self.plan_ is None:
+            return ReplanReason.INITIAL
+        if not self.within_budget():
+            return None
+        config = self.config
+        if config.context_growth is not None and context_length >= self.planned_at_length_ * (
+            1.0 + config.context_growth
+        ):
+            return ReplanReason.CONTEXT_GROWTH
+        predicted = self.plan_.predicted_acceptance
+        observed = self.observed_acceptance
+        if (
+            config.acceptance_drift is not None
+            and self.plan_.draft_length > 0
+            and predicted is not None
+            and observed is not None
+            and self.speculative_rounds_ >= config.drift_min_rounds
+            and abs(observed - predicted) > config.acceptance_drift
+        ):
+            return ReplanReason.ACCEPTANCE_DRIFT
+        if config.every_rounds is not None and self.rounds_since_plan_ >= config.every_rounds:
+            return ReplanReason.PERIODIC
+        return None
+
+
+__all__ = ["ReplanConfig", "ReplanPolicy", "ReplanReason"]

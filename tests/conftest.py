@@ -1,0 +1,26 @@
+"""Shared fixtures: tiny random models of every supported family, hypothesis profiles."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+settings.register_profile(
+    "dev", max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "ci", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(request: pytest.FixtureRequest) -> None:
+    # Tiny models run fastest on one thread (two threads contend on a 2-core CI machine);
+    # real-model tests use two, as the benchmarks do.
+    torch.set_num_threads(2 if request.node.get_closest_marker("real_model") else 1)
