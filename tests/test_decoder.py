@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from tests.tiny_models import FAMILIES, greedy_reference, tiny_model
 from transformers.generation.streamers import BaseStreamer
 
 from knapspec.decoding.decoder import SpeculativeDecoder
@@ -13,7 +14,6 @@ from knapspec.decoding.verify import NonFiniteLogitsError
 from knapspec.model import ContextLengthError, SublayerEngine
 from knapspec.planners import AutoregressivePlanner, Planner, PlanningContext, StaticPlanner
 from knapspec.types import DraftPlan, StepOutcome, SublayerMask
-from tests.tiny_models import FAMILIES, greedy_reference, tiny_model
 
 NEW_TOKENS = 24
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from tests.tiny_models import FAMILIES, tiny_model
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
 
 from knapspec.model import ContextLengthError, SublayerEngine, UnsupportedModelError
 from knapspec.types import SublayerMask
-from tests.tiny_models import FAMILIES, tiny_model
 
 
 @pytest.mark.parametrize("family", FAMILIES)

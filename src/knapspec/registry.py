@@ -92,9 +92,7 @@ class Registry(Generic[T]):
             module = importlib.import_module(module_name)
             cls: Any = getattr(module, attr)
         except (ImportError, AttributeError) as error:
-            raise UnknownComponentError(
-                f"cannot import {self.kind} {dotted!r}: {error}"
-            ) from error
+            raise UnknownComponentError(f"cannot import {self.kind} {dotted!r}: {error}") from error
         if not isinstance(cls, type):
             raise UnknownComponentError(f"{dotted!r} is not a class")
         return cls

@@ -8,7 +8,9 @@ import attrs
 import torch
 
 
-def _positive_temperature(instance: SamplingParams, attribute: attrs.Attribute[float], value: float) -> None:
+def _positive_temperature(
+    instance: SamplingParams, attribute: attrs.Attribute[float], value: float
+) -> None:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"temperature must be a finite number > 0, got {value}")
 

@@ -31,7 +31,13 @@ def item_layer(item: int) -> int:
     return item // 2
 
 
-def _check_executed(instance: SublayerMask, attribute: attrs.Attribute[object], value: object) -> None:
+def _to_bools(value: Iterable[object]) -> tuple[bool, ...]:
+    return tuple(bool(x) for x in value)
+
+
+def _check_executed(
+    instance: SublayerMask, attribute: attrs.Attribute[object], value: object
+) -> None:
     if not isinstance(value, tuple) or not all(isinstance(v, bool) for v in value):
         raise TypeError("SublayerMask.executed must be a tuple of bools")
     if len(value) == 0 or len(value) % 2 != 0:
@@ -48,9 +54,7 @@ class SublayerMask:
     residual stream. The full model is the all-True mask.
     """
 
-    executed: tuple[bool, ...] = attrs.field(
-        converter=lambda v: tuple(bool(x) for x in v), validator=_check_executed
-    )
+    executed: tuple[bool, ...] = attrs.field(converter=_to_bools, validator=_check_executed)
 
     @classmethod
     def full(cls, num_layers: int) -> SublayerMask:

@@ -63,7 +63,9 @@ class WindowBuffer:
     def clear(self) -> None:
         self._chunks.clear()
 
-    def push(self, points: torch.Tensor, token_ids: torch.Tensor, target_tokens: torch.Tensor, start: int) -> None:
+    def push(
+        self, points: torch.Tensor, token_ids: torch.Tensor, target_tokens: torch.Tensor, start: int
+    ) -> None:
         """Add one round's committed tokens.
 
         Args:
@@ -92,8 +94,15 @@ class WindowBuffer:
         start = self._chunks[0][3]
         if points.shape[1] > self.max_tokens:
             cut = points.shape[1] - self.max_tokens
-            points, token_ids, target, start = points[:, cut:], token_ids[cut:], target[cut:], start + cut
-        return ReferenceWindow(points=points, token_ids=token_ids, target_tokens=target, start=start)
+            points, token_ids, target, start = (
+                points[:, cut:],
+                token_ids[cut:],
+                target[cut:],
+                start + cut,
+            )
+        return ReferenceWindow(
+            points=points, token_ids=token_ids, target_tokens=target, start=start
+        )
 
 
 __all__ = ["ReferenceWindow", "WindowBuffer"]

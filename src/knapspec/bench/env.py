@@ -42,7 +42,9 @@ def environment(model: Any, threads: int) -> dict[str, Any]:
     parameter = next(model.parameters())
     device = parameter.device
     return {
-        "model": str(getattr(model.config, "_name_or_path", type(model).__name__)).rsplit("/", 1)[-1],
+        "model": str(getattr(model.config, "_name_or_path", type(model).__name__)).rsplit("/", 1)[
+            -1
+        ],
         "dtype": str(parameter.dtype).replace("torch.", ""),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "threads": threads,

@@ -71,7 +71,7 @@ class CostModel(abc.ABC):
 
     @abc.abstractmethod
     def verify_cost(self, tokens: int, context_length: int) -> float:
-        """Full-model forward over ``tokens`` new tokens at ``context_length`` (overhead included)."""
+        """Full forward over ``tokens`` new tokens at ``context_length``, overhead included."""
 
     def draft_cost(self, mask: SublayerMask, context_length: int) -> float:
         """One draft token with ``mask`` (overhead included)."""

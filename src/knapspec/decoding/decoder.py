@@ -103,7 +103,9 @@ class SpeculativeDecoder:
         self.engine = model if isinstance(model, SublayerEngine) else SublayerEngine(model)
         self.planner = planner if planner is not None else _default_planner(self.engine)
         needs_components = self.planner.uses_window
-        self.proxy = proxy if proxy is not None or not needs_components else _default_proxy(self.engine)
+        self.proxy = (
+            proxy if proxy is not None or not needs_components else _default_proxy(self.engine)
+        )
         self.cost_model = (
             cost_model
             if cost_model is not None or not needs_components
@@ -116,7 +118,9 @@ class SpeculativeDecoder:
         self._cache = self.engine.new_cache(256)
 
     @classmethod
-    def from_config(cls, model: nn.Module | SublayerEngine, config: DecoderConfig | Any) -> SpeculativeDecoder:
+    def from_config(
+        cls, model: nn.Module | SublayerEngine, config: DecoderConfig | Any
+    ) -> SpeculativeDecoder:
         """Build every component from a :class:`~knapspec.config.DecoderConfig`.
 
         ``config`` may also be a mapping (``DecoderConfig.from_dict``) or a path to a TOML /
@@ -199,7 +203,9 @@ class SpeculativeDecoder:
         if ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
         if int(ids.min()) < 0 or int(ids.max()) >= self.engine.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.engine.vocab_size}); got out-of-range ids")
+            raise ValueError(
+                f"token ids must be in [0, {self.engine.vocab_size}); got out-of-range ids"
+            )
         return ids.to(device=self.engine.device, dtype=torch.long)
 
 
@@ -260,13 +266,20 @@ class _Run:
         decoder._window.clear()
         decoder.planner.reset()
         if self.streamer is not None:
-            self.streamer.put(self.prompt.unsqueeze(0).cpu())
+            self.streamer.put(  # type: ignore[no-untyped-call]
+                self.prompt.unsqueeze(0).cpu()
+            )
         n = self.prompt.numel()
         cache.reserve(n + self.max_new_tokens + decoder.max_draft_length + 1)
 
         seed = min(PREFILL_WINDOW_TOKENS, n) if self.uses_window else None
         out = engine.forward(
-            self.prompt, 0, cache, all_logits=False, capture_points=self.uses_window, capture_last=seed
+            self.prompt,
+            0,
+            cache,
+            all_logits=False,
+            capture_points=self.uses_window,
+            capture_last=seed,
         )
         check_finite(out.logits, "prefill")
         if out.points is not None and seed:
@@ -304,13 +317,17 @@ class _Run:
                 engine.max_context - n - 1,
             )
             drafts, draft_probs, draft_time = self._draft(plan, pending, n, max(0, budget))
-            verdict, verify_time, points, target_next = self._verify(pending, drafts, draft_probs, n)
+            verdict, verify_time, points, target_next = self._verify(
+                pending, drafts, draft_probs, n
+            )
             accepted = verdict.accepted
             # Inputs at positions n .. n + accepted are now committed: keep their K/V only.
             cache.crop(n + accepted + 1)
             if points is not None and target_next is not None:
                 inputs = torch.tensor([pending, *drafts[:accepted]], device=engine.device)
-                decoder._window.push(points[:, : accepted + 1], inputs, target_next[: accepted + 1], n)
+                decoder._window.push(
+                    points[:, : accepted + 1], inputs, target_next[: accepted + 1], n
+                )
             n += accepted + 1
             committed = self._commit(verdict.tokens)
             stats.record_round(len(drafts), accepted, committed)
@@ -322,7 +339,7 @@ class _Run:
         stats.wall_time_s = self._now() - start_time
         stats.new_tokens = len(self.output)
         if self.streamer is not None:
-            self.streamer.end()
+            self.streamer.end()  # type: ignore[no-untyped-call]
         tokens = torch.tensor(self.output, dtype=torch.long)
         sequences = torch.cat([self.prompt.cpu(), tokens]).unsqueeze(0)
         return GenerationResult(tokens=tokens, sequences=sequences, stats=stats)
@@ -344,7 +361,7 @@ class _Run:
                 break
         self.output.extend(kept)
         if self.streamer is not None and kept:
-            self.streamer.put(torch.tensor(kept, dtype=torch.long))
+            self.streamer.put(torch.tensor(kept, dtype=torch.long))  # type: ignore[no-untyped-call]
         return len(kept)
 
     def _draft(
@@ -397,14 +414,19 @@ class _Run:
             assert draft_probs is not None or not drafts
             empty = target_probs[:0]
             verdict = verify_sampling(
-                drafts, draft_probs if draft_probs is not None else empty, target_probs, self.generator
+                drafts,
+                draft_probs if draft_probs is not None else empty,
+                target_probs,
+                self.generator,
             )
         else:
             verdict = verify_greedy(drafts, out.logits)
         elapsed = self._now() - verify_start
         self.stats.verify_time_s += elapsed
         if self.decoder.cost_model is not None:
-            self.decoder.cost_model.observe(LatencyObservation("verify", n, elapsed, len(drafts) + 1))
+            self.decoder.cost_model.observe(
+                LatencyObservation("verify", n, elapsed, len(drafts) + 1)
+            )
         return verdict, elapsed, out.points, target_next
 
     def _record_plan(self, plan: DraftPlan, round_index: int, n: int) -> None:

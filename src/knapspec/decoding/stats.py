@@ -71,7 +71,9 @@ class GenerationStats:
         """P(draft position i accepted | drafted), i = 0, 1, ..."""
         return [
             accepted / drafted if drafted else 0.0
-            for accepted, drafted in zip(self.accepted_at_position, self.drafted_at_position, strict=True)
+            for accepted, drafted in zip(
+                self.accepted_at_position, self.drafted_at_position, strict=True
+            )
         ]
 
     def record_round(self, drafted: int, accepted: int, committed: int) -> None:
@@ -106,7 +108,8 @@ class GenerationStats:
     def summary(self) -> str:
         """One line for humans."""
         return (
-            f"{self.new_tokens} tokens in {self.wall_time_s:.2f} s ({self.tokens_per_second:.1f} tok/s), "
+            f"{self.new_tokens} tokens in {self.wall_time_s:.2f} s "
+            f"({self.tokens_per_second:.1f} tok/s), "
             f"acceptance {self.acceptance_rate:.2f}, mean accepted length "
             f"{self.mean_accepted_length:.2f}, {self.rounds} rounds "
             f"(plan {self.plan_time_s:.2f} s / draft {self.draft_time_s:.2f} s / "

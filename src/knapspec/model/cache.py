@@ -58,7 +58,9 @@ class KVCache:
         if self.max_capacity is not None:
             new_capacity = min(max(needed, new_capacity), max(self.max_capacity, needed))
         shape = (self.kv_heads, new_capacity, self.head_dim)
-        new_keys = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        new_keys = [
+            torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
+        ]
         new_values = [
             torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
         ]
@@ -89,7 +91,7 @@ class KVCache:
         self.lengths[layer] = end
 
     def keys(self, layer: int, end: int | None = None) -> torch.Tensor:
-        """View of layer ``layer``'s keys for positions ``[0, end)``: ``(kv_heads, end, head_dim)``."""
+        """Layer ``layer``'s keys for positions ``[0, end)``: ``(kv_heads, end, head_dim)``."""
         return self._keys[layer][:, : self.lengths[layer] if end is None else end]
 
     def values(self, layer: int, end: int | None = None) -> torch.Tensor:

@@ -72,7 +72,8 @@ def _check_supported(model: nn.Module) -> None:
     layers = getattr(backbone, "layers", None)
     if layers is None or getattr(model, "lm_head", None) is None:
         raise UnsupportedModelError(
-            f"{type(model).__name__} has no model.layers / lm_head; supported families: {supported}."
+            f"{type(model).__name__} has no model.layers / lm_head; "
+            f"supported families: {supported}."
         )
     for index, layer in enumerate(layers):
         for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"):
@@ -156,7 +157,9 @@ class SublayerEngine:
             )
 
     # ------------------------------------------------------------- numerics
-    def _rotary(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rotary(
+        self, positions: torch.Tensor, like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for ``positions (q,)``: each ``(1, q, head_dim)``."""
         cos, sin = self.rotary_emb(like, positions.unsqueeze(0))
         return cos, sin
@@ -237,11 +240,13 @@ class SublayerEngine:
             attended = self._attend(query, keys, values, None)
         else:
             attended = self._attend(query, keys, values, causal_mask(start, q_len, self.device))
-        return hidden + layer.self_attn.o_proj(attended)
+        output: torch.Tensor = hidden + layer.self_attn.o_proj(attended)
+        return output
 
     def _mlp_item(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor:
         layer = self.layers[layer_index]
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        output: torch.Tensor = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return output
 
     # ------------------------------------------------------------- public API
     @torch.inference_mode()
@@ -271,7 +276,9 @@ class SublayerEngine:
             :class:`ForwardOutput`.
         """
         if token_ids.dim() != 1 or token_ids.numel() == 0:
-            raise ValueError(f"token_ids must be a non-empty 1-D tensor, got shape {tuple(token_ids.shape)}")
+            raise ValueError(
+                f"token_ids must be a non-empty 1-D tensor, got shape {tuple(token_ids.shape)}"
+            )
         if mask is not None and mask.num_items != self.num_items:
             raise ValueError(
                 f"mask has {mask.num_items} items but the model has {self.num_items} "
@@ -302,7 +309,8 @@ class SublayerEngine:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: ``(..., d_model) -> (..., vocab)`` in float32."""
-        return self.lm_head(self.final_norm(hidden)).float()
+        logits: torch.Tensor = self.lm_head(self.final_norm(hidden)).float()
+        return logits
 
     @torch.inference_mode()
     def run_item(
@@ -346,14 +354,18 @@ class SublayerEngine:
         # All branches' queries in one row block: (1, H, B*q, hd); keys: prefix then windows.
         query = query.transpose(0, 1).reshape(1, self.num_heads, branches * q_len, self.head_dim)
         window_keys = key.transpose(0, 1).reshape(self.kv_heads, branches * q_len, self.head_dim)
-        window_values = value.transpose(0, 1).reshape(self.kv_heads, branches * q_len, self.head_dim)
+        window_values = value.transpose(0, 1).reshape(
+            self.kv_heads, branches * q_len, self.head_dim
+        )
         keys = torch.cat([cache.keys(layer_index, prefix_length), window_keys], dim=1).unsqueeze(0)
-        values = torch.cat([cache.values(layer_index, prefix_length), window_values], dim=1).unsqueeze(0)
+        values = torch.cat(
+            [cache.values(layer_index, prefix_length), window_values], dim=1
+        ).unsqueeze(0)
         mask = block_causal_mask(branches, q_len, prefix_length, self.device)
         attended = self._attend(query, keys, values, mask)  # (1, B*q, H*hd)
         attended = attended.reshape(branches, q_len, self.num_heads * self.head_dim)
-        return hidden + layer.self_attn.o_proj(attended)
-
+        output: torch.Tensor = hidden + layer.self_attn.o_proj(attended)
+        return output
 
     @torch.inference_mode()
     def run_masks(
@@ -400,7 +412,9 @@ def causal_mask(start: int, q_len: int, device: torch.device) -> torch.Tensor:
     return cols <= rows
 
 
-def block_causal_mask(branches: int, q_len: int, prefix_length: int, device: torch.device) -> torch.Tensor:
+def block_causal_mask(
+    branches: int, q_len: int, prefix_length: int, device: torch.device
+) -> torch.Tensor:
     """``(B*q, prefix + B*q)`` bool mask for :meth:`SublayerEngine.run_item`.
 
     Every row sees the whole shared prefix; within the window block, row ``(b, t)`` sees

@@ -86,7 +86,7 @@ class EarlyExitPlannerConfig:
 class EarlyExitPlanner(StaticPlanner):
     """LayerSkip-style draft: the first ``exit_layer`` layers, then the LM head."""
 
-    config_class = EarlyExitPlannerConfig
+    config_class = EarlyExitPlannerConfig  # type: ignore[assignment]
 
     @classmethod
     def from_config(cls, config: Any, engine: SublayerEngine) -> EarlyExitPlanner:
@@ -94,7 +94,9 @@ class EarlyExitPlanner(StaticPlanner):
             raise ValueError(
                 f"exit_layer={config.exit_layer} exceeds the model's {engine.num_layers} layers"
             )
-        return cls(SublayerMask.early_exit(engine.num_layers, config.exit_layer), config.draft_length)
+        return cls(
+            SublayerMask.early_exit(engine.num_layers, config.exit_layer), config.draft_length
+        )
 
 
 @attrs.frozen

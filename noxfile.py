@@ -1,0 +1,70 @@
+"""nox sessions: tests (proof-backed property tests included), lint, typecheck, bench, docs."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.reuse_venv = "yes"
+
+# The CPU wheel of torch lies on local disk here; an unpinned torch would pull a CUDA build.
+TORCH = "torch==2.13.0"
+PYTHON = "3.11"
+
+
+def _install(session: nox.Session, extras: str) -> None:
+    session.install(TORCH)
+    session.install("-e", f".[{extras}]")
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """The whole test suite: unit, property-based (DP optimality, Lemma 4.1) and real-model."""
+    _install(session, "test")
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        *(session.posargs or ["-q"]),
+        env={"HF_HUB_OFFLINE": "1", "HYPOTHESIS_PROFILE": "ci"},
+    )
+
+
+@nox.session(python=PYTHON)
+def proofs(session: nox.Session) -> None:
+    """Only the proof-backed property tests, with many more examples."""
+    _install(session, "test")
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-q",
+        "tests/test_lemma.py",
+        "tests/test_dp.py",
+        "tests/test_objective.py",
+        "tests/test_sampling.py",
+        env={"HF_HUB_OFFLINE": "1", "HYPOTHESIS_PROFILE": "thorough"},
+    )
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check."""
+    session.install("ruff")
+    session.run("ruff", "check", "src", "tests", "benchmarks", "noxfile.py")
+    session.run("ruff", "format", "--check", "src", "tests", "benchmarks", "noxfile.py")
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict on the library."""
+    _install(session, "dev")
+    session.run("mypy", "src/knapspec")
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """The benchmark harness on the real model (long; pass --quick for a smoke run)."""
+    _install(session, "test")
+    session.run("knapspec", "bench", *session.posargs, env={"HF_HUB_OFFLINE": "1"})
