@@ -1,0 +1,201 @@
+"""Lossless speculative sampling: the rejection rule and the decoder's output distribution.
+
+The statistical tests use a fixed seed, so they are deterministic; each is paired with a
+power check showing the same test rejects a sampler that is *not* lossless (outputs taken
+straight from the draft), so a pass is evidence, not luck.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import knapspec.decoding.decoder as decoder_module
+from knapspec.decoding.decoder import SpeculativeDecoder
+from knapspec.decoding.verify import Verdict, residual_distribution, verify_sampling
+from knapspec.planners import StaticPlanner
+from knapspec.sampling import SamplingParams, processed_probs
+from knapspec.types import SublayerMask
+
+VOCAB = 6
+
+
+def _distribution(values: list[float]) -> torch.Tensor:
+    tensor = torch.tensor(values, dtype=torch.float64) + 1e-3
+    return tensor / tensor.sum()
+
+
+@given(
+    p=st.lists(st.floats(0, 1), min_size=VOCAB, max_size=VOCAB),
+    q=st.lists(st.floats(0, 1), min_size=VOCAB, max_size=VOCAB),
+)
+def test_rejection_rule_output_distribution_is_exactly_p(p: list[float], q: list[float]) -> None:
+    """Exact arithmetic: P(out = x) = q(x) min(1, p(x)/q(x)) + P(reject) residual(x) = p(x)."""
+    p_t, q_t = _distribution(p), _distribution(q)
+    accept = q_t * torch.minimum(torch.ones_like(p_t), p_t / q_t)
+    reject = 1 - accept.sum()
+    out = accept + reject * residual_distribution(p_t, q_t)
+    torch.testing.assert_close(out, p_t, atol=1e-12, rtol=0)
+
+
+def test_verify_sampling_first_token_matches_p_empirically() -> None:
+    generator = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05, 0.0])
+    q = torch.tensor([0.1, 0.1, 0.1, 0.1, 0.1, 0.5])
+    draws = 20_000
+    counts = Counter()
+    drafts = torch.multinomial(q, draws, replacement=True, generator=generator).tolist()
+    target = torch.stack([p, p])
+    for draft in drafts:
+        verdict = verify_sampling([draft], q.unsqueeze(0), target, generator)
+        counts[verdict.tokens[0]] += 1
+    observed = [counts[x] for x in range(5)]  # token 5 has p = 0: never emitted
+    assert counts[5] == 0
+    assert chisquare(observed, (p[:5] * draws).tolist()).pvalue > 1e-3
+
+
+def _small_vocab_model() -> LlamaForCausalLM:
+    torch.manual_seed(4)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(12.0)  # spread the distributions away from uniform
+    return model
+
+
+def _exact_joint(
+    model: LlamaForCausalLM, prompt: list[int], params: SamplingParams, length: int
+) -> dict[tuple[int, ...], float]:
+    """Exact target probability of every continuation of ``length`` tokens."""
+    joint: dict[tuple[int, ...], float] = {}
+    with torch.no_grad():
+        for continuation in itertools.product(range(VOCAB), repeat=length):
+            ids = torch.tensor([prompt + list(continuation)])
+            logits = model(ids).logits[0, len(prompt) - 1 : -1]
+            probs = processed_probs(logits, params).double()
+            joint[continuation] = float(
+                torch.prod(probs[torch.arange(length), torch.tensor(continuation)])
+            )
+    return joint
+
+
+def _chi_square_pvalue(
+    samples: Counter[tuple[int, ...]], joint: dict[tuple[int, ...], float]
+) -> float:
+    total = sum(samples.values())
+    observed, expected = [], []
+    pooled_observed, pooled_expected = 0.0, 0.0
+    for cell, probability in joint.items():
+        if probability * total >= 5:
+            observed.append(samples[cell])
+            expected.append(probability * total)
+        else:  # pool sparse cells so the chi-square approximation holds
+            pooled_observed += samples[cell]
+            pooled_expected += probability * total
+    if pooled_expected > 0:
+        observed.append(pooled_observed)
+        expected.append(pooled_expected)
+    elif pooled_observed > 0:
+        return 0.0  # a continuation of probability zero was sampled
+    scale = sum(observed) / sum(expected)
+    return float(chisquare(observed, [e * scale for e in expected]).pvalue)
+
+
+def _sample(
+    decoder: SpeculativeDecoder, prompt: list[int], params: SamplingParams, runs: int, length: int
+) -> Counter[tuple[int, ...]]:
+    counts: Counter[tuple[int, ...]] = Counter()
+    for seed in range(runs):
+        result = decoder.generate(
+            torch.tensor(prompt),
+            max_new_tokens=length,
+            sampling=SamplingParams(
+                do_sample=True,
+                temperature=params.temperature,
+                top_k=params.top_k,
+                top_p=params.top_p,
+                seed=seed,
+            ),
+        )
+        counts[tuple(result.tokens.tolist())] += 1
+    return counts
+
+
+PROMPT = [1, 4, 2, 0, 3]
+LENGTH = 3  # token 1 from the prefill, tokens 2-3 drafted and verified together
+RUNS = 3000
+BAD_DRAFT = SublayerMask.from_skipped(3, [0, 1, 2, 3, 5])  # keeps one item: a poor draft
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(do_sample=True, temperature=1.0),
+        SamplingParams(do_sample=True, temperature=0.7, top_p=0.9),
+        SamplingParams(do_sample=True, temperature=1.5, top_k=3),
+    ],
+    ids=["T=1", "T=0.7,top_p=0.9", "T=1.5,top_k=3"],
+)
+def test_speculative_samples_are_distributed_as_the_target(params: SamplingParams) -> None:
+    model = _small_vocab_model()
+    decoder = SpeculativeDecoder(model, planner=StaticPlanner(BAD_DRAFT, 2), confidence_threshold=0)
+    joint = _exact_joint(model, PROMPT, params, LENGTH)
+    samples = _sample(decoder, PROMPT, params, RUNS, LENGTH)
+    assert _chi_square_pvalue(samples, joint) > 1e-3
+
+
+def test_the_chi_square_check_has_power_against_a_lossy_sampler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Accepting every draft token (output ~ the draft) must be caught by the same test."""
+
+    def accept_everything(drafts, draft_probs, target_probs, generator):  # type: ignore[no-untyped-def]
+        bonus = int(torch.multinomial(target_probs[len(drafts)], 1, generator=generator))
+        return Verdict(len(drafts), [*drafts, bonus])
+
+    monkeypatch.setattr(decoder_module, "verify_sampling", accept_everything)
+    params = SamplingParams(do_sample=True, temperature=1.0)
+    model = _small_vocab_model()
+    decoder = SpeculativeDecoder(model, planner=StaticPlanner(BAD_DRAFT, 2), confidence_threshold=0)
+    joint = _exact_joint(model, PROMPT, params, LENGTH)
+    samples = _sample(decoder, PROMPT, params, RUNS // 3, LENGTH)
+    assert _chi_square_pvalue(samples, joint) < 1e-6
+
+
+def test_sampling_parameters_are_validated() -> None:
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(do_sample=True, top_p=1.5)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(do_sample=True, top_p=0.0)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(do_sample=True, top_k=-1)
+
+
+def test_seeded_sampling_is_reproducible() -> None:
+    model = _small_vocab_model()
+    decoder = SpeculativeDecoder(model, planner=StaticPlanner(BAD_DRAFT, 3), confidence_threshold=0)
+    params = SamplingParams(do_sample=True, temperature=0.9, seed=123)
+    first = decoder.generate(torch.tensor(PROMPT), max_new_tokens=12, sampling=params).tokens
+    second = decoder.generate(torch.tensor(PROMPT), max_new_tokens=12, sampling=params).tokens
+    assert torch.equal(first, second)
