@@ -402,7 +402,7 @@ class DecoderConfig:
         cost_model: predicts draft / verify latencies, prices TPT and the knapsack weights
             (registry ``COST_MODELS``; default ``"online"``).
         proxy: scores drafts against the reference window and estimates acceptance α
-            (registry ``PROXIES``; default ``"cosine"``).
+            (registry ``PROXIES``; default ``"montecarlo"``).
         sampling: greedy or sampled decoding (:class:`~knapspec.sampling.SamplingParams`).
         max_draft_length: D, the largest γ any plan may use (>= 1).
         window_rounds: m, how many recent rounds the reference window keeps (>= 1).
@@ -420,7 +420,7 @@ class DecoderConfig:
 
     planner: ComponentConfig = _default_component("knapsack")  # noqa: RUF009 - attrs field
     cost_model: ComponentConfig = _default_component("online")  # noqa: RUF009
-    proxy: ComponentConfig = _default_component("cosine")  # noqa: RUF009
+    proxy: ComponentConfig = _default_component("montecarlo")  # noqa: RUF009
     sampling: SamplingParams = attrs.field(factory=SamplingParams, validator=_sampling_instance)
     max_draft_length: int = attrs.field(default=10, validator=_at_least_one)
     window_rounds: int = attrs.field(default=5, validator=_at_least_one)

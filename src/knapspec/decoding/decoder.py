@@ -455,7 +455,7 @@ def _default_planner(engine: SublayerEngine) -> Planner:
 def _default_proxy(engine: SublayerEngine) -> ValueProxy:
     from knapspec.proxies import PROXIES
 
-    cls = PROXIES.get("cosine")
+    cls = PROXIES.get("montecarlo")
     return cls.from_config(cls.config_class(), engine)
 
 

@@ -1,0 +1,171 @@
+"""Monte-Carlo acceptance: estimate α directly by running the candidate on the window."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+import attrs
+import torch
+
+from knapspec.proxies.base import PROXIES, AcceptanceEstimate, ValueProxy
+from knapspec.proxies.cosine import mean_cosine
+from knapspec.proxies.intervals import mean_interval, wilson_interval
+from knapspec.proxies.validation import check_finite, check_score_inputs, check_window_inputs
+from knapspec.sampling import SamplingParams, processed_probs
+
+if TYPE_CHECKING:
+    from knapspec.model.engine import SublayerEngine
+    from knapspec.window import ReferenceWindow
+
+ScoreMode = Literal["cosine", "neg-kl"]
+
+
+def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Per-token acceptance probability of speculative rejection sampling, ``Σ_v min(p, q)``.
+
+    A draft token ``x ~ q`` is accepted with probability ``min(1, p(x)/q(x))``, so
+    ``P(accept) = Σ_x q(x) min(1, p(x)/q(x)) = Σ_x min(q(x), p(x)) = 1 - TV(p, q)``.
+
+    Args:
+        p: ``(..., V)`` target probabilities; q: ``(..., V)`` draft probabilities.
+
+    Returns:
+        ``(...)`` in [0, 1].
+    """
+    if p.shape != q.shape:
+        raise ValueError(
+            f"p and q must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}"
+        )
+    check_finite("p", p)
+    check_finite("q", q)
+    return torch.minimum(p, q).sum(dim=-1).clamp(0.0, 1.0)
+
+
+def _open_unit(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not 0.0 < value < 1.0:
+        raise ValueError(f"{attribute.name} must be in (0, 1), got {value}")
+
+
+@attrs.frozen
+class MonteCarloProxyConfig:
+    """Hyper-parameters of :class:`MonteCarloAcceptanceProxy`.
+
+    Attributes:
+        score: the per-branch value a planner maximises.
+            ``"cosine"`` (default): mean per-token cosine, as in the cosine proxy. A DP calls
+            ``score`` at every one of the ``2L`` item points, where a value through the LM
+            head would be both expensive (an ``(r, V)`` matmul per branch per item) and
+            meaningless (intermediate states are not final states).
+            ``"neg-kl"``: ``-mean KL(p_target || q_candidate)`` of the next-token
+            distributions through the final norm and head at temperature 1; meaningful for
+            final states only (for scoring finished candidates).
+        confidence: level of the reported interval.
+    """
+
+    score: ScoreMode = attrs.field(
+        default="cosine", validator=attrs.validators.in_(("cosine", "neg-kl"))
+    )
+    confidence: float = attrs.field(default=0.95, validator=_open_unit)
+
+
+@PROXIES.register("montecarlo")
+class MonteCarloAcceptanceProxy(ValueProxy):
+    """α measured on the window: greedy agreement, or the exact sampling acceptance.
+
+    Greedy: α = share of window tokens whose candidate argmax equals the target's, with a
+    Wilson interval. Sampling: α = mean over window tokens of ``Σ_v min(p(v), q(v))`` with
+    ``p``, ``q`` the target's and candidate's :func:`processed_probs` at the decoder's
+    temperature / top-k / top-p, with a normal interval.
+
+    Args:
+        score, confidence: see :class:`MonteCarloProxyConfig`.
+        engine: needed by ``score="neg-kl"`` (the final norm and head).
+    """
+
+    config_class = MonteCarloProxyConfig
+
+    def __init__(
+        self,
+        *,
+        score: ScoreMode = "cosine",
+        confidence: float = 0.95,
+        engine: SublayerEngine | None = None,
+    ) -> None:
+        self.config = MonteCarloProxyConfig(score=score, confidence=confidence)
+        if score == "neg-kl" and engine is None:
+            raise ValueError("score='neg-kl' needs the engine (its final norm and LM head)")
+        self.engine = engine
+        self._target_logits: tuple[ReferenceWindow, torch.Tensor] | None = None
+
+    @classmethod
+    def from_config(cls, config: Any, engine: SublayerEngine) -> MonteCarloAcceptanceProxy:
+        if not isinstance(config, MonteCarloProxyConfig):
+            raise TypeError(f"expected MonteCarloProxyConfig, got {type(config).__name__}")
+        return cls(score=config.score, confidence=config.confidence, engine=engine)
+
+    @torch.inference_mode()
+    def score(self, reference: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
+        """``(B,)`` value of ``candidate (B, r, d)`` against ``reference (r, d)``."""
+        if self.config.score == "cosine":
+            return mean_cosine(reference, candidate)
+        check_score_inputs(reference, candidate)
+        assert self.engine is not None  # checked in __init__
+        target = torch.log_softmax(self.engine.logits(reference), dim=-1)  # (r, V)
+        values = []
+        for branch in candidate:  # one (r, V) block at a time bounds memory
+            draft = torch.log_softmax(self.engine.logits(branch), dim=-1)
+            kl = (target.exp() * (target - draft)).sum(dim=-1)  # (r,)
+            values.append(-kl.mean())
+        return torch.stack(values)
+
+    def _target(self, engine: SublayerEngine, window: ReferenceWindow) -> torch.Tensor:
+        """``(r, V)`` the full model's logits on the window (cached per window)."""
+        if self._target_logits is None or self._target_logits[0] is not window:
+            self._target_logits = (window, engine.logits(window.final_hidden))
+        return self._target_logits[1]
+
+    @torch.inference_mode()
+    def per_token_acceptance(
+        self,
+        engine: SublayerEngine,
+        window: ReferenceWindow,
+        candidate_final: torch.Tensor,
+        sampling: SamplingParams,
+    ) -> torch.Tensor:
+        """``(B, r)`` per-token acceptance: 0/1 agreement (greedy) or ``Σ min(p, q)``."""
+        check_window_inputs(engine, window, candidate_final)
+        rows = []
+        if not sampling.do_sample:
+            targets = window.target_tokens.to(engine.device)
+            for branch in candidate_final:
+                rows.append((engine.logits(branch).argmax(dim=-1) == targets).float())
+            return torch.stack(rows)
+        p = processed_probs(self._target(engine, window), sampling)
+        for branch in candidate_final:
+            q = processed_probs(engine.logits(branch), sampling)
+            rows.append(acceptance_probability(p, q))
+        return torch.stack(rows)
+
+    @torch.inference_mode()
+    def estimate_acceptance(
+        self,
+        engine: SublayerEngine,
+        window: ReferenceWindow,
+        candidate_final: torch.Tensor,
+        sampling: SamplingParams,
+    ) -> list[AcceptanceEstimate]:
+        """α per candidate with a confidence interval from the window's token count."""
+        per_token = self.per_token_acceptance(engine, window, candidate_final, sampling)
+        confidence = self.config.confidence
+        if not sampling.do_sample:
+            size = per_token.shape[1]
+            return [wilson_interval(int(row.sum()), size, confidence) for row in per_token]
+        return [mean_interval(row, confidence) for row in per_token]
+
+
+__all__ = [
+    "MonteCarloAcceptanceProxy",
+    "MonteCarloProxyConfig",
+    "ScoreMode",
+    "acceptance_probability",
+]
