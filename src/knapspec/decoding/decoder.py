@@ -71,7 +71,7 @@ class SpeculativeDecoder:
         planner: chooses the draft mask and γ each round (default: the ``knapsack`` planner).
         cost_model: latency predictions (default: an online-calibrated model seeded by a
             cached or quick profile of this machine). Only built when the planner needs it.
-        proxy: value proxy for the planner (default: ``cosine``).
+        proxy: value proxy for the planner (default: ``montecarlo``).
         max_draft_length: D, the largest γ (>= 1).
         window_rounds: m, rounds of committed tokens kept in the reference window (>= 1).
         window_max_tokens: upper bound on the window's token count.
