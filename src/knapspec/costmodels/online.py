@@ -1,0 +1,414 @@
+"""Online self-calibration: a fitted prior corrected by recursive least squares.
+
+The decoder reports every measured step (:class:`LatencyObservation`); the model keeps
+the prior's shape (per-layer lines, the verify law) and learns an additive correction
+that is linear in the same features:
+
+* draft step with mask ``S`` at context ``n``:
+  ``Δt = Δo + Δa·n_attn(S) + Δb·n_attn(S)·n + Δc·n_mlp(S)``, i.e. a shift of the
+  overhead, of every attention item's intercept and slope, and of every MLP item;
+* verify step over ``k`` tokens: ``Δt = Δv0 + Δv1·k + Δv2·n + Δv3·k·n``.
+
+When the machine's speed drifts, or the cache differs from the profiled one, the true law
+moves and the correction follows it: recursive least squares with exponential forgetting
+(factor ``λ``; memory about ``1/(1-λ)`` observations). Observations more than
+``outlier_ratio`` times off the current prediction (a page fault, another process taking
+the cores) are skipped, unless ``outlier_patience`` arrive in a row, which means the law
+itself changed; an accepted observation's error is clipped to ``innovation_clip`` times the
+prediction (a Huber-like bound: one noisy step cannot swing the model), except after such
+a streak. The covariance trace is capped (at 100x its initial value) so that forgetting
+cannot blow up directions the decoder never excites (e.g. ``Δa`` vs ``Δo`` when every
+draft uses the same mask).
+
+Why not ``SGDRegressor.partial_fit``: it needs feature scaling and a learning-rate
+schedule to converge on these ill-conditioned features, and one call costs tens of
+microseconds of validation; the RLS update below is a handful of 4x4 numpy operations
+(measured in ``benchmarks/costmodel_accuracy.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+from sklearn.base import BaseEstimator, RegressorMixin
+from sklearn.utils.validation import check_array, check_is_fitted
+
+from knapspec.costmodels.base import COST_MODELS, CostModel, LatencyObservation
+from knapspec.costmodels.linear import MIN_SECONDS, FittedLinearCostModel, LinearCoefficients
+from knapspec.types import SublayerMask
+
+if TYPE_CHECKING:
+    from knapspec.model.engine import SublayerEngine
+
+#: Internal units keep the RLS well conditioned and its hyper-parameters scale-free: times
+#: are fractions of the prior's one-token step at REFERENCE_CONTEXT, contexts are in units
+#: of CONTEXT_SCALE tokens, verify widths in units of TOKEN_SCALE tokens and item counts
+#: are fractions of the layer count, so that every feature is O(1) where decoding runs.
+REFERENCE_CONTEXT = 1024
+CONTEXT_SCALE = 4096.0
+TOKEN_SCALE = 8.0
+
+
+class RecursiveLeastSquares(BaseEstimator, RegressorMixin):  # type: ignore[misc]
+    """Exponentially weighted recursive least squares, scikit-learn style.
+
+    Minimises ``Σ_t λ^(T-t) (y_t - x_t·θ)²`` plus a ridge pull toward ``coef_init`` that
+    fades with forgetting. ``partial_fit`` validates its inputs; :meth:`update` is the
+    allocation-light single-sample path used on the decode hot path.
+
+    Args:
+        forgetting_factor: ``λ`` in ``(0, 1]``; 1 = ordinary (growing-memory) RLS.
+        initial_covariance: ``P0 = initial_covariance · I`` (squared units of ``coef_``);
+            larger means the first observations move the coefficients more.
+        max_covariance_trace: cap on ``trace(P)`` (None = ``100 · trace(P0)``): high enough
+            not to slow tracking, low enough to stop windup where the data never excite.
+        coef_init: starting coefficients (None = zeros).
+
+    Attributes:
+        coef_: ``(n_features,)`` current coefficients.
+        covariance_: ``(n_features, n_features)`` ``P``.
+        n_updates_: samples absorbed.
+    """
+
+    def __init__(
+        self,
+        forgetting_factor: float = 0.98,
+        initial_covariance: float = 100.0,
+        max_covariance_trace: float | None = None,
+        coef_init: ArrayLike | None = None,
+    ) -> None:
+        self.forgetting_factor = forgetting_factor
+        self.initial_covariance = initial_covariance
+        self.max_covariance_trace = max_covariance_trace
+        self.coef_init = coef_init
+
+    def _initialize(self, n_features: int) -> None:
+        if not 0.0 < self.forgetting_factor <= 1.0:
+            raise ValueError(f"forgetting_factor must be in (0, 1], got {self.forgetting_factor}")
+        if not self.initial_covariance > 0:
+            raise ValueError(f"initial_covariance must be > 0, got {self.initial_covariance}")
+        coef = (
+            np.zeros(n_features)
+            if self.coef_init is None
+            else np.asarray(self.coef_init, dtype=np.float64).reshape(-1).copy()
+        )
+        if coef.shape != (n_features,):
+            raise ValueError(f"coef_init has {coef.size} entries for {n_features} features")
+        self.coef_: NDArray[np.float64] = coef
+        self.covariance_: NDArray[np.float64] = np.eye(n_features) * self.initial_covariance
+        cap = self.max_covariance_trace
+        default_cap = 100.0 * n_features * self.initial_covariance
+        self._trace_cap = float(default_cap if cap is None else cap)
+        self.n_features_in_ = n_features
+        self.n_updates_ = 0
+
+    def update(self, x: NDArray[np.float64], y: float, max_error: float | None = None) -> None:
+        """Absorb one sample ``x: (n_features,)`` with target ``y`` (no validation).
+
+        ``max_error`` clips the prediction error before the update (a Huber-like bound on
+        one sample's influence; None = plain RLS).
+        """
+        if not hasattr(self, "coef_"):
+            self._initialize(x.shape[0])
+        covariance = self.covariance_
+        px = covariance @ x
+        gain = px / (self.forgetting_factor + x @ px)
+        error = float(y - x @ self.coef_)
+        if max_error is not None:
+            error = float(np.clip(error, -max_error, max_error))
+        self.coef_ += gain * error
+        covariance -= np.outer(gain, px)
+        covariance /= self.forgetting_factor
+        trace = covariance.trace()
+        if trace > self._trace_cap:  # bounded forgetting: no windup in unexcited directions
+            covariance *= self._trace_cap / trace
+        self.n_updates_ += 1
+
+    def partial_fit(self, X: ArrayLike, y: ArrayLike) -> RecursiveLeastSquares:
+        """Absorb samples ``X: (m, n_features)``, ``y: (m,)`` in order."""
+        features = check_array(X, dtype=np.float64)
+        targets = np.asarray(y, dtype=np.float64).reshape(-1)
+        if targets.shape[0] != features.shape[0]:
+            raise ValueError(f"X has {features.shape[0]} rows but y has {targets.shape[0]}")
+        if not np.all(np.isfinite(targets)):
+            raise ValueError("y holds NaN or infinite values")
+        if not hasattr(self, "coef_"):
+            self._initialize(features.shape[1])
+        elif features.shape[1] != self.n_features_in_:
+            raise ValueError(f"X has {features.shape[1]} features, expected {self.n_features_in_}")
+        for row, target in zip(features, targets, strict=True):
+            self.update(row, float(target))
+        return self
+
+    def fit(self, X: ArrayLike, y: ArrayLike) -> RecursiveLeastSquares:
+        """Forget everything, then :meth:`partial_fit`."""
+        for name in ("coef_", "covariance_", "n_features_in_", "n_updates_"):
+            self.__dict__.pop(name, None)
+        return self.partial_fit(X, y)
+
+    def predict(self, X: ArrayLike) -> NDArray[np.float64]:
+        """``(m,)`` predictions ``X @ coef_``."""
+        check_is_fitted(self, "coef_")
+        features = check_array(X, dtype=np.float64)
+        return np.asarray(features @ self.coef_, dtype=np.float64)
+
+
+def _in_open_unit_interval(
+    instance: object, attribute: attrs.Attribute[float], value: float
+) -> None:
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{attribute.name} must be in (0, 1], got {value}")
+
+
+@attrs.frozen
+class OnlineCalibratedCostModelConfig:
+    """Hyper-parameters of :class:`OnlineCalibratedCostModel`.
+
+    Attributes:
+        profile: prior profile path; None = the cached profile for this model and machine
+            (a quick self-profile of a few seconds on first use).
+        pooled: prior with one attention line / MLP time for all layers.
+        force: accept a profile measured for another model or machine.
+        forgetting_factor: RLS ``λ``; memory about ``1/(1-λ)`` observations per kind.
+        initial_uncertainty: prior standard deviation of each correction coefficient, as a
+            fraction of the prior's one-token step time (larger = faster first moves).
+        innovation_clip: one observation moves the prediction at its own point by at most
+            this fraction of the prediction (bounds the influence of noisy steps).
+        outlier_ratio: skip an observation more than this factor off the prediction; no
+            prediction falls below the prior's divided by this factor.
+        outlier_patience: accept outliers after this many in a row (the law changed).
+    """
+
+    profile: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.min_len(1))
+    )
+    pooled: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    force: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    forgetting_factor: float = attrs.field(default=0.98, validator=_in_open_unit_interval)
+    initial_uncertainty: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))
+    innovation_clip: float = attrs.field(default=0.5, validator=attrs.validators.gt(0))
+    outlier_ratio: float = attrs.field(default=10.0, validator=attrs.validators.gt(1))
+    outlier_patience: int = attrs.field(default=5, validator=attrs.validators.ge(1))
+
+
+@COST_MODELS.register("online")
+class OnlineCalibratedCostModel(CostModel):
+    """A :class:`FittedLinearCostModel` prior plus an online RLS correction.
+
+    Hyper-parameters are stored by ``__init__`` unvalidated (scikit-learn convention);
+    they are checked when the learned state is first built.
+
+    Args:
+        prior: the fitted model the corrections start from (a profile or quick profile).
+        forgetting_factor, initial_uncertainty, innovation_clip, outlier_ratio,
+            outlier_patience: see
+            :class:`OnlineCalibratedCostModelConfig`.
+
+    Attributes:
+        draft_rls_, verify_rls_: the two correction regressions (internal units: see
+            ``REFERENCE_CONTEXT``).
+        time_unit_: seconds of one internal time unit (the prior's step at 1024 tokens).
+        n_observed_: observations absorbed; n_outliers_: observations skipped.
+    """
+
+    config_class = OnlineCalibratedCostModelConfig
+    draft_rls_: RecursiveLeastSquares
+    verify_rls_: RecursiveLeastSquares
+    time_unit_: float
+    n_observed_: int
+    n_outliers_: int
+
+    def __init__(
+        self,
+        prior: FittedLinearCostModel,
+        *,
+        forgetting_factor: float = 0.98,
+        initial_uncertainty: float = 1.0,
+        innovation_clip: float = 0.5,
+        outlier_ratio: float = 10.0,
+        outlier_patience: int = 5,
+    ) -> None:
+        self.prior = prior
+        self.forgetting_factor = forgetting_factor
+        self.initial_uncertainty = initial_uncertainty
+        self.innovation_clip = innovation_clip
+        self.outlier_ratio = outlier_ratio
+        self.outlier_patience = outlier_patience
+
+    # ----------------------------------------------------------------- building
+    @classmethod
+    def from_config(cls, config: Any, engine: SublayerEngine) -> OnlineCalibratedCostModel:
+        from knapspec.costmodels.defaults import load_profile_for
+
+        profile = load_profile_for(engine, config.profile, force=config.force)
+        return cls(
+            FittedLinearCostModel.from_profile(profile, pooled=config.pooled),
+            forgetting_factor=config.forgetting_factor,
+            initial_uncertainty=config.initial_uncertainty,
+            innovation_clip=config.innovation_clip,
+            outlier_ratio=config.outlier_ratio,
+            outlier_patience=config.outlier_patience,
+        )
+
+    def _state(self) -> tuple[RecursiveLeastSquares, RecursiveLeastSquares]:
+        """The learned state, built (and the hyper-parameters validated) on first use."""
+        try:
+            return self.draft_rls_, self.verify_rls_
+        except AttributeError:
+            pass
+        if not self.outlier_ratio > 1:
+            raise ValueError(f"outlier_ratio must be > 1, got {self.outlier_ratio}")
+        if self.outlier_patience < 1:
+            raise ValueError(f"outlier_patience must be >= 1, got {self.outlier_patience}")
+        for name in ("initial_uncertainty", "innovation_clip"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        variance = float(self.initial_uncertainty) ** 2
+        self.time_unit_ = self.prior.step_cost(REFERENCE_CONTEXT)
+        self.draft_rls_ = RecursiveLeastSquares(self.forgetting_factor, variance)
+        self.verify_rls_ = RecursiveLeastSquares(self.forgetting_factor, variance)
+        self.draft_rls_._initialize(4)
+        self.verify_rls_._initialize(4)
+        self.n_observed_ = 0
+        self.n_outliers_ = 0
+        self._outlier_streak = 0
+        return self.draft_rls_, self.verify_rls_
+
+    # ----------------------------------------------------------------- features
+    def _draft_features(self, mask: SublayerMask, context_length: int) -> NDArray[np.float64]:
+        layers = self.prior.num_layers
+        attention = mask.num_attention_executed / layers
+        scaled = context_length / CONTEXT_SCALE
+        return np.array([1.0, attention, attention * scaled, mask.num_mlp_executed / layers])
+
+    @staticmethod
+    def _verify_features(tokens: int, context_length: int) -> NDArray[np.float64]:
+        width, scaled = tokens / TOKEN_SCALE, context_length / CONTEXT_SCALE
+        return np.array([1.0, width, scaled, width * scaled])
+
+    def _corrected(
+        self, base: float, features: NDArray[np.float64], rls: RecursiveLeastSquares
+    ) -> float:
+        """The prior's ``base`` seconds plus the learned correction, floored (see config)."""
+        value = base + float(features @ rls.coef_) * self.time_unit_
+        return max(value, base / self.outlier_ratio, MIN_SECONDS)
+
+    # ------------------------------------------------------------- predictions
+    def t_attn(self, context_length: int, layer: int | None = None) -> float:
+        theta = self._state()[0].coef_
+        per_item = theta[1] + theta[2] * context_length / CONTEXT_SCALE
+        shift = per_item * self.time_unit_ / self.prior.num_layers
+        return max(self.prior.t_attn(context_length, layer) + float(shift), MIN_SECONDS)
+
+    def t_mlp(self, layer: int | None = None) -> float:
+        theta = self._state()[0].coef_
+        shift = theta[3] * self.time_unit_ / self.prior.num_layers
+        return max(self.prior.t_mlp(layer) + float(shift), MIN_SECONDS)
+
+    def overhead(self, context_length: int) -> float:
+        shift = self._state()[0].coef_[0] * self.time_unit_
+        return max(self.prior.overhead(context_length) + float(shift), 0.0)
+
+    def draft_cost(self, mask: SublayerMask, context_length: int) -> float:
+        draft_rls = self._state()[0]
+        base = self.prior.draft_cost(mask, context_length)
+        return self._corrected(base, self._draft_features(mask, context_length), draft_rls)
+
+    def verify_cost(self, tokens: int, context_length: int) -> float:
+        verify_rls = self._state()[1]
+        base = self.prior.verify_cost(tokens, context_length)
+        return self._corrected(base, self._verify_features(tokens, context_length), verify_rls)
+
+    def coefficients(self) -> LinearCoefficients:
+        """The prior's layer-averaged coefficients plus the learned corrections (seconds)."""
+        draft, verify = (rls.coef_ * self.time_unit_ for rls in self._state())
+        prior = self.prior.coefficients()
+        layers = self.prior.num_layers
+        return LinearCoefficients(
+            overhead=prior.overhead + draft[0],
+            attn_intercept=prior.attn_intercept + draft[1] / layers,
+            attn_slope=prior.attn_slope + draft[2] / (CONTEXT_SCALE * layers),
+            mlp=prior.mlp + draft[3] / layers,
+            verify=(
+                prior.verify[0] + verify[0],
+                prior.verify[1] + verify[1] / TOKEN_SCALE,
+                prior.verify[2] + verify[2] / CONTEXT_SCALE,
+                prior.verify[3] + verify[3] / (TOKEN_SCALE * CONTEXT_SCALE),
+            ),
+        )
+
+    # ----------------------------------------------------------------- learning
+    def observe(self, observation: LatencyObservation) -> None:
+        """Absorb one measured step (called by the decoder on its hot path)."""
+        draft_rls, verify_rls = self._state()
+        seconds = observation.seconds
+        if not (seconds > 0 and seconds < float("inf")):
+            return  # a broken timer reading carries no information
+        n = observation.context_length
+        if observation.kind == "draft":
+            mask = observation.mask
+            if mask is None:
+                raise ValueError("a draft LatencyObservation needs its mask")
+            features = self._draft_features(mask, n)
+            base = self.prior.draft_cost(mask, n)
+            rls = draft_rls
+        elif observation.kind == "verify":
+            features = self._verify_features(observation.tokens, n)
+            base = self.prior.verify_cost(observation.tokens, n)
+            rls = verify_rls
+        else:
+            raise ValueError(
+                f"LatencyObservation.kind must be 'draft' or 'verify', got {observation.kind!r}"
+            )
+        predicted = self._corrected(base, features, rls)
+        ratio = seconds / predicted
+        unit = self.time_unit_
+        max_error: float | None = self.innovation_clip * predicted / unit
+        if ratio > self.outlier_ratio or ratio * self.outlier_ratio < 1:
+            self._outlier_streak += 1
+            if self._outlier_streak < self.outlier_patience:
+                self.n_outliers_ += 1
+                return
+            max_error = None  # a streak of outliers: the law changed, follow it unclipped
+        self._outlier_streak = 0
+        rls.update(features, (seconds - base) / unit, max_error)
+        self.n_observed_ += 1
+
+    def partial_fit(
+        self, X: Sequence[LatencyObservation], y: ArrayLike | None = None
+    ) -> OnlineCalibratedCostModel:
+        """Absorb observations in order; ``y`` (seconds) overrides their ``seconds``."""
+        if y is not None:
+            seconds = np.asarray(y, dtype=np.float64).reshape(-1)
+            if seconds.shape[0] != len(X):
+                raise ValueError(f"{len(X)} observations but {seconds.shape[0]} targets")
+            X = [attrs.evolve(obs, seconds=float(s)) for obs, s in zip(X, seconds, strict=True)]
+        for observation in X:
+            self.observe(observation)
+        return self
+
+    def predict(self, X: Sequence[LatencyObservation]) -> NDArray[np.float64]:
+        """Predicted seconds of each observed step (its ``seconds`` is ignored)."""
+        return np.array(
+            [
+                self.draft_cost(obs.mask, obs.context_length)
+                if obs.kind == "draft" and obs.mask is not None
+                else self.verify_cost(obs.tokens, obs.context_length)
+                for obs in X
+            ]
+        )
+
+    def __repr__(self) -> str:
+        name = type(self).__name__
+        return f"{name}(prior={self.prior!r}, forgetting_factor={self.forgetting_factor})"
+
+
+__all__ = [
+    "OnlineCalibratedCostModel",
+    "OnlineCalibratedCostModelConfig",
+    "RecursiveLeastSquares",
+]

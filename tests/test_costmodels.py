@@ -1,0 +1,621 @@
+"""Tests for knapspec.costmodels: profiles, the fitted linear model, the online model.
+
+Everything here is fast and deterministic: synthetic profiles built from known laws, and
+tiny random Llama models (hidden 64) for the profiler and the compatibility keys. Speed
+itself is measured by ``benchmarks/costmodel_accuracy.py``, never asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from knapspec.costmodels import (
+    COST_MODELS,
+    FittedLinearCostModel,
+    FittedLinearCostModelConfig,
+    LatencyObservation,
+    LatencyProfile,
+    LinearCoefficients,
+    OnlineCalibratedCostModel,
+    OnlineCalibratedCostModelConfig,
+    ProfileError,
+    ProfileKey,
+    ProfileMismatchError,
+    RecursiveLeastSquares,
+    VerifyTiming,
+    default_cost_model,
+    knapsack_weights,
+    profile_engine,
+)
+from knapspec.costmodels import defaults as defaults_module
+from knapspec.model.engine import SublayerEngine
+from knapspec.types import SublayerMask
+
+# --------------------------------------------------------------------------------- helpers
+
+LAYERS = 4
+CONTEXTS = (64, 512, 2048, 4096, 7000)
+VERIFY_GRID = [(k, n) for n in (128, 1024, 3000, 6000) for k in range(1, 12)]
+
+
+def tiny_engine(seed: int = 0, layers: int = 2) -> SublayerEngine:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=512,
+    )
+    model = LlamaForCausalLM(config)
+    model.train(False)
+    return SublayerEngine(model)
+
+
+def fake_key(**changes: Any) -> ProfileKey:
+    fields: dict[str, Any] = {
+        "model_name": "synthetic",
+        "model_fingerprint": "llama-L4-synthetic",
+        "dtype": "float32",
+        "device": "cpu",
+        "torch_threads": 2,
+        "attention_implementation": "knapspec-engine",
+        "cache_type": "knapspec-preallocated",
+        "torch_version": "0",
+        "transformers_version": "0",
+        "knapspec_version": "0",
+        "host_cpu": "test cpu",
+    }
+    fields.update(changes)
+    return ProfileKey(**fields)
+
+
+LAW_A = LinearCoefficients(
+    overhead=3e-3,
+    attn_intercept=0.4e-3,
+    attn_slope=0.25e-6,
+    mlp=0.5e-3,
+    verify=(20e-3, 4e-3, 6e-6, 0.9e-6),
+)
+LAW_B = LinearCoefficients(  # a slower machine with a slower cache: every coefficient moves
+    overhead=4.5e-3,
+    attn_intercept=0.55e-3,
+    attn_slope=0.5e-6,
+    mlp=0.7e-3,
+    verify=(28e-3, 6e-3, 9e-6, 1.5e-6),
+)
+
+
+def synthetic_profile(
+    law: LinearCoefficients = LAW_A,
+    *,
+    layers: int = LAYERS,
+    layer_spread: float = 0.0,
+    noise: float = 0.0,
+    seed: int = 0,
+) -> LatencyProfile:
+    """A profile measured from ``law`` exactly (or with multiplicative noise)."""
+    rng = np.random.default_rng(seed)
+    scale = 1 + layer_spread * np.linspace(-1, 1, layers)  # per-layer deviation, mean 1
+
+    def jitter(values: np.ndarray) -> np.ndarray:
+        return values * (1 + noise * rng.standard_normal(values.shape))
+
+    n = np.array(CONTEXTS, dtype=float)
+    attention = jitter(np.outer(scale, law.attn_intercept + law.attn_slope * n))
+    mlp = jitter(np.outer(scale, np.full_like(n, law.mlp)))
+    overhead = jitter(np.full_like(n, law.overhead))
+    v0, v1, v2, v3 = law.verify
+    verify = [
+        VerifyTiming(k, c, float(jitter(np.array(v0 + v1 * k + v2 * c + v3 * k * c))))
+        for k, c in VERIFY_GRID
+    ]
+    return LatencyProfile(
+        key=fake_key(),
+        contexts=CONTEXTS,
+        attention_seconds=attention.tolist(),
+        mlp_seconds=mlp.tolist(),
+        overhead_seconds=overhead.tolist(),
+        verify=verify,
+    )
+
+
+def random_mask(rng: np.random.Generator, layers: int) -> SublayerMask:
+    return SublayerMask(tuple(bool(b) for b in rng.random(2 * layers) < rng.uniform(0.2, 1.0)))
+
+
+def observations_from(
+    law: LinearCoefficients, count: int, rng: np.random.Generator, *, noise: float = 0.0
+) -> list[LatencyObservation]:
+    """Draft and verify steps (alternating) timed by ``law`` at random masks, n and k."""
+    result = []
+    for index in range(count):
+        n = int(rng.integers(32, 8000))
+        wobble = 1 + noise * float(rng.standard_normal())
+        if index % 2 == 0:
+            mask = random_mask(rng, LAYERS)
+            seconds = (
+                law.overhead
+                + mask.num_attention_executed * (law.attn_intercept + law.attn_slope * n)
+                + mask.num_mlp_executed * law.mlp
+            )
+            result.append(LatencyObservation("draft", n, seconds * wobble, 1, mask))
+        else:
+            k = int(rng.integers(1, 12))
+            v0, v1, v2, v3 = law.verify
+            seconds = v0 + v1 * k + v2 * n + v3 * k * n
+            result.append(LatencyObservation("verify", n, seconds * wobble, k))
+    return result
+
+
+def relative_errors(fitted: LinearCoefficients, truth: LinearCoefficients) -> np.ndarray:
+    return np.abs(fitted.as_array() - truth.as_array()) / np.abs(truth.as_array())
+
+
+# ------------------------------------------------------------------ profile save / load
+
+
+def test_profile_round_trip(tmp_path: Path) -> None:
+    profile = synthetic_profile(noise=0.05)
+    path = profile.save(tmp_path / "nested" / "profile.json")
+    loaded = LatencyProfile.load(path)
+    assert loaded == profile
+    assert json.loads(path.read_text())["schema_version"] == 1
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("", "is empty"),
+        ("   \n", "is empty"),
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"schema_version": 99}', "schema_version 99 is not supported"),
+        ('{"schema_version": 1}', "malformed profile"),
+    ],
+)
+def test_corrupt_profiles_are_refused(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "profile.json"
+    path.write_text(content)
+    with pytest.raises(ProfileError, match=message):
+        LatencyProfile.load(path)
+
+
+def test_missing_profile_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ProfileError, match="cannot read latency profile"):
+        LatencyProfile.load(tmp_path / "absent.json")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1e-3, float("inf"), "fast"])
+@pytest.mark.parametrize("where", ["attention", "mlp", "overhead", "verify"])
+def test_invalid_timings_are_refused(tmp_path: Path, bad: Any, where: str) -> None:
+    data = synthetic_profile().to_dict()
+    if where == "attention":
+        data["attention_seconds"][1][2] = bad
+    elif where == "mlp":
+        data["mlp_seconds"][0][0] = bad
+    elif where == "overhead":
+        data["overhead_seconds"][3] = bad
+    else:
+        data["verify"][5]["seconds"] = bad
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(data))  # json writes NaN/Infinity literals, which it reads back
+    with pytest.raises(ProfileError, match=r"finite, non-negative|number of seconds"):
+        LatencyProfile.load(path)
+
+
+def test_inconsistent_shapes_are_refused() -> None:
+    data = synthetic_profile().to_dict()
+    data["mlp_seconds"] = data["mlp_seconds"][:-1]
+    with pytest.raises(ProfileError, match="one row per layer"):
+        LatencyProfile.from_dict(data)
+    data = synthetic_profile().to_dict()
+    data["contexts"] = [512, 64, 2048, 4096, 7000]
+    with pytest.raises(ProfileError, match="ascending"):
+        LatencyProfile.from_dict(data)
+
+
+def test_profile_of_another_model_is_refused_unless_forced() -> None:
+    engine, other = tiny_engine(seed=0), tiny_engine(seed=1)
+    profile = attrs.evolve(synthetic_profile(layers=2), key=ProfileKey.for_engine(other))
+    with pytest.raises(ProfileMismatchError) as error:
+        profile.check_compatible(engine)
+    text = str(error.value)
+    assert "model_fingerprint" in text and "knapspec profile" in text and "force" in text
+    assert "torch_threads" not in text  # only the differing keys are named
+    profile.check_compatible(engine, force=True)
+    attrs.evolve(profile, key=ProfileKey.for_engine(engine)).check_compatible(engine)
+
+
+def test_profile_from_another_machine_names_the_differing_keys() -> None:
+    engine = tiny_engine()
+    key = attrs.evolve(ProfileKey.for_engine(engine), torch_threads=64, host_cpu="Other CPU")
+    profile = attrs.evolve(synthetic_profile(layers=2), key=key)
+    with pytest.raises(ProfileMismatchError, match=r"torch_threads.*host_cpu"):
+        profile.check_compatible(engine)
+
+
+def test_fingerprint_separates_models_and_ignores_the_name() -> None:
+    a, b = tiny_engine(seed=0), tiny_engine(seed=1)
+    assert ProfileKey.for_engine(a).model_fingerprint != ProfileKey.for_engine(b).model_fingerprint
+    assert ProfileKey.for_engine(a) == ProfileKey.for_engine(tiny_engine(seed=0))
+    renamed = attrs.evolve(ProfileKey.for_engine(a), model_name="/elsewhere/same-weights")
+    assert renamed.differences(ProfileKey.for_engine(a)) == {}
+
+
+# ------------------------------------------------------------------------ linear fitting
+
+
+def test_per_layer_fit_recovers_each_layer_exactly() -> None:
+    profile = synthetic_profile(layer_spread=0.3)
+    model = FittedLinearCostModel.from_profile(profile)
+    scale = 1 + 0.3 * np.linspace(-1, 1, LAYERS)
+    for layer in range(LAYERS):
+        for n in (100, 3333):
+            expected = scale[layer] * (LAW_A.attn_intercept + LAW_A.attn_slope * n)
+            assert model.t_attn(n, layer) == pytest.approx(expected, rel=1e-9)
+        assert model.t_mlp(layer) == pytest.approx(scale[layer] * LAW_A.mlp, rel=1e-9)
+    assert relative_errors(model.coefficients(), LAW_A).max() < 1e-9
+
+
+def test_pooled_fit_recovers_the_layer_mean() -> None:
+    model = FittedLinearCostModel.from_profile(synthetic_profile(layer_spread=0.3), pooled=True)
+    assert model.t_attn(2000, 0) == model.t_attn(2000, 3)
+    assert relative_errors(model.coefficients(), LAW_A).max() < 1e-9
+
+
+def test_noisy_fit_recovers_coefficients_within_tolerance() -> None:
+    model = FittedLinearCostModel.from_profile(synthetic_profile(noise=0.02, seed=3))
+    errors = relative_errors(model.coefficients(), LAW_A)
+    # The verify intercept and k-slope are small next to the k·n term: allow them more.
+    assert errors[:4].max() < 0.03 and errors[4:].max() < 0.15
+    for k, n in ((1, 500), (8, 4000), (11, 6144)):
+        v0, v1, v2, v3 = LAW_A.verify
+        assert model.verify_cost(k, n) == pytest.approx(v0 + v1 * k + v2 * n + v3 * k * n, rel=0.02)
+
+
+def test_verification_is_priced_by_width() -> None:
+    model = FittedLinearCostModel.from_profile(synthetic_profile())
+    ratio = model.verify_cost(8, 1024) / model.step_cost(1024)
+    assert 1.5 < ratio < 2.5  # the synthetic law mirrors the CPU: 8 tokens ≈ 1.6-2x one
+    assert model.step_cost(1024) == model.verify_cost(1, 1024)
+
+
+def test_draft_cost_sums_the_executed_items() -> None:
+    model = FittedLinearCostModel.from_profile(synthetic_profile(layer_spread=0.2))
+    mask = SublayerMask.from_skipped(LAYERS, [0, 3, 6])
+    n = 1500
+    expected = model.overhead(n) + sum(
+        model.t_attn(n, i) * mask.attention(i) + model.t_mlp(i) * mask.mlp(i) for i in range(LAYERS)
+    )
+    assert model.draft_cost(mask, n) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="layers"):
+        model.draft_cost(SublayerMask.full(LAYERS + 1), n)
+
+
+def test_fit_refuses_unidentifiable_profiles() -> None:
+    data = synthetic_profile().to_dict()
+    data["contexts"] = [512]
+    for name in ("attention_seconds", "mlp_seconds"):
+        data[name] = [row[:1] for row in data[name]]
+    data["overhead_seconds"] = data["overhead_seconds"][:1]
+    with pytest.raises(ProfileError, match=">= 2 contexts"):
+        FittedLinearCostModel.from_profile(LatencyProfile.from_dict(data))
+    single_width = attrs.evolve(
+        synthetic_profile(), verify=[v for v in synthetic_profile().verify if v.tokens == 1]
+    )
+    with pytest.raises(ProfileError, match="token counts"):
+        FittedLinearCostModel.from_profile(single_width)
+
+
+def test_fit_is_non_negative_and_floored_on_implausible_profiles() -> None:
+    # A noisy machine: attention measured *slower* at short context than at long context.
+    law = attrs.evolve(LAW_A, attn_intercept=1.2e-3, attn_slope=-0.15e-6)
+    model = FittedLinearCostModel.from_profile(synthetic_profile(law))
+    assert (model.attn_slope >= 0).all() and (model.attn_intercept >= 0).all()
+    assert (model.verify_coef >= 0).all()
+    fastest = min(min(map(min, model.profile.attention_seconds)), LAW_A.mlp)
+    for n in (0, 64, 8000):
+        assert model.t_attn(n) >= 0.5 * fastest
+        assert max(model.weights(n)) <= 2 * max(LAW_A.mlp, 1.2e-3) / fastest + 1
+
+
+def test_a_line_below_zero_is_floored_at_half_the_fastest_item() -> None:
+    law = attrs.evolve(LAW_A, attn_intercept=-1e-5)  # measured times > 0, intercept < 0
+    model = FittedLinearCostModel.from_profile(synthetic_profile(law))
+    floor = 0.5 * min(map(min, model.profile.attention_seconds))
+    assert model.t_attn(0) == pytest.approx(floor)
+    assert all(w >= 1 for w in model.weights(0))
+
+
+# ------------------------------------------------------------------ weight normalisation
+
+times = st.floats(min_value=1e-7, max_value=10.0, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=300)
+@given(t_attn=times, t_mlp=times)
+def test_weights_are_positive_integers_ordered_like_the_times(t_attn: float, t_mlp: float) -> None:
+    w_attn, w_mlp = knapsack_weights(t_attn, t_mlp)
+    assert isinstance(w_attn, int) and isinstance(w_mlp, int)
+    assert w_attn >= 1 and w_mlp >= 1
+    if t_attn >= t_mlp:
+        assert w_attn >= w_mlp
+    if t_mlp >= t_attn:
+        assert w_mlp >= w_attn
+    assert min(w_attn, w_mlp) == 1  # Δ = min(t_attn, t_mlp) maps to weight 1
+
+
+@settings(max_examples=300)
+@given(t_attn=times, t_mlp=times)
+def test_weights_match_the_rounding_oracle(t_attn: float, t_mlp: float) -> None:
+    # Oracle: the heavier item's weight is the integer nearest to the latency ratio.
+    heavy, light = max(t_attn, t_mlp), min(t_attn, t_mlp)
+    ratio = heavy / light
+    w_attn, w_mlp = knapsack_weights(t_attn, t_mlp)
+    assert abs(max(w_attn, w_mlp) - ratio) <= 0.5 + 1e-9
+
+
+@settings(max_examples=300)
+@given(t_attn=times, t_mlp=times, exponent=st.integers(min_value=-20, max_value=20))
+def test_weights_are_invariant_to_scaling_both_times(
+    t_attn: float, t_mlp: float, exponent: int
+) -> None:
+    # Powers of two scale floats exactly, so the ratio (and any rounding tie) is unchanged.
+    factor = 2.0**exponent
+    assert knapsack_weights(t_attn * factor, t_mlp * factor) == knapsack_weights(t_attn, t_mlp)
+
+
+@pytest.mark.parametrize("bad", [(0.0, 1.0), (1.0, -1.0), (float("nan"), 1.0)])
+def test_weights_reject_non_positive_times(bad: tuple[float, float]) -> None:
+    with pytest.raises(ValueError, match="positive"):
+        knapsack_weights(*bad)
+
+
+def test_attention_outweighs_mlp_at_long_context() -> None:
+    model = FittedLinearCostModel.from_profile(synthetic_profile())
+    short, long = model.weights(64), model.weights(8000)
+    assert short == (1, 1)  # 0.416 ms vs 0.5 ms: ratio 1.2 rounds to 1
+    assert long[0] > long[1] == 1  # 2.4 ms vs 0.5 ms: attention weighs about 5
+
+
+# ---------------------------------------------------------------- recursive least squares
+
+
+def test_rls_without_forgetting_matches_least_squares() -> None:
+    rng = np.random.default_rng(0)
+    features = rng.normal(size=(200, 4))
+    targets = features @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.01 * rng.normal(size=200)
+    rls = RecursiveLeastSquares(forgetting_factor=1.0, initial_covariance=1e6).partial_fit(
+        features, targets
+    )
+    oracle, *_ = np.linalg.lstsq(features, targets, rcond=None)
+    np.testing.assert_allclose(rls.coef_, oracle, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(rls.predict(features[:3]), features[:3] @ rls.coef_)
+    assert rls.n_updates_ == 200 and rls.get_params()["forgetting_factor"] == 1.0
+
+
+def test_rls_validates_lazily_and_clearly() -> None:
+    rls = RecursiveLeastSquares(forgetting_factor=1.5)  # stored unvalidated
+    with pytest.raises(ValueError, match="forgetting_factor"):
+        rls.partial_fit([[1.0, 2.0]], [1.0])
+    with pytest.raises(ValueError, match="NaN"):
+        RecursiveLeastSquares().partial_fit([[1.0]], [math.nan])
+
+
+# ------------------------------------------------------------------------ online model
+
+DRIFT_OBSERVATIONS = 600  # 300 draft + 300 verify steps; λ^300 ≈ 0.2% weight left on A
+DRIFT_TOLERANCE = 0.02
+
+
+def test_online_model_tracks_a_drifting_machine_and_the_fitted_one_does_not() -> None:
+    """Law A for 300 steps, then law B: after 600 steps of B (300 of each kind), every pooled
+    coefficient of the online model is within 2% of B's; the fitted model stays on A."""
+    rng = np.random.default_rng(7)
+    fitted = FittedLinearCostModel.from_profile(synthetic_profile(LAW_A))
+    online = OnlineCalibratedCostModel(fitted, forgetting_factor=0.98)
+    for observation in observations_from(LAW_A, 300, rng):
+        online.observe(observation)
+        fitted.observe(observation)
+    assert relative_errors(online.coefficients(), LAW_A).max() < DRIFT_TOLERANCE
+    for observation in observations_from(LAW_B, DRIFT_OBSERVATIONS, rng):
+        online.observe(observation)
+        fitted.observe(observation)
+    assert relative_errors(online.coefficients(), LAW_B).max() < DRIFT_TOLERANCE
+    assert relative_errors(fitted.coefficients(), LAW_B).min() > 0.2
+    assert online.n_outliers_ == 0
+    # Predictions follow the coefficients (draft cost at one mask, verify at one width).
+    mask = SublayerMask.from_skipped(LAYERS, [1, 2])
+    b = LAW_B
+    truth = b.overhead + 3 * (b.attn_intercept + b.attn_slope * 4000) + 3 * b.mlp
+    assert online.draft_cost(mask, 4000) == pytest.approx(truth, rel=DRIFT_TOLERANCE)
+    assert online.t_mlp() == pytest.approx(b.mlp, rel=DRIFT_TOLERANCE)
+
+
+def test_online_model_under_noise_settles_near_the_new_law() -> None:
+    rng = np.random.default_rng(11)
+    online = OnlineCalibratedCostModel(FittedLinearCostModel.from_profile(synthetic_profile()))
+    online.partial_fit(observations_from(LAW_B, 600, rng, noise=0.03))
+    predicted = online.predict(observations_from(LAW_B, 200, np.random.default_rng(12)))
+    truth = np.array([o.seconds for o in observations_from(LAW_B, 200, np.random.default_rng(12))])
+    assert np.median(np.abs(predicted - truth) / truth) < 0.03
+
+
+def test_online_model_ignores_isolated_outliers_but_follows_a_real_jump() -> None:
+    rng = np.random.default_rng(3)
+    online = OnlineCalibratedCostModel(
+        FittedLinearCostModel.from_profile(synthetic_profile()), outlier_patience=4
+    )
+    probe = LatencyObservation("verify", 2000, 0.0, 4)
+    before = online.verify_cost(4, 2000)
+    spike = attrs.evolve(probe, seconds=before * 50)
+    online.observe(spike)
+    online.observe(observations_from(LAW_A, 2, rng)[1])
+    online.observe(spike)
+    assert online.n_outliers_ == 2 and online.verify_cost(4, 2000) == pytest.approx(before)
+    for _ in range(20):  # the machine really became 20x slower: patience runs out
+        online.observe(attrs.evolve(probe, seconds=before * 20))
+    assert online.verify_cost(4, 2000) > 5 * before
+
+
+def test_online_model_rejects_malformed_observations() -> None:
+    online = OnlineCalibratedCostModel(FittedLinearCostModel.from_profile(synthetic_profile()))
+    with pytest.raises(ValueError, match="needs its mask"):
+        online.observe(LatencyObservation("draft", 100, 0.01))
+    with pytest.raises(ValueError, match="'draft' or 'verify'"):
+        online.observe(LatencyObservation("prefill", 100, 0.01))
+    before = online.coefficients()
+    online.observe(LatencyObservation("verify", 100, float("nan"), 3))
+    online.observe(LatencyObservation("verify", 100, -1.0, 3))
+    assert online.coefficients() == before
+
+
+def test_online_hyper_parameters_are_stored_then_validated_on_use() -> None:
+    prior = FittedLinearCostModel.from_profile(synthetic_profile())
+    online = OnlineCalibratedCostModel(prior, outlier_ratio=0.5)
+    assert online.outlier_ratio == 0.5
+    with pytest.raises(ValueError, match="outlier_ratio"):
+        online.t_mlp()
+
+
+def test_online_model_starts_at_its_prior() -> None:
+    prior = FittedLinearCostModel.from_profile(synthetic_profile(layer_spread=0.2))
+    online = OnlineCalibratedCostModel(prior)
+    mask = SublayerMask.from_skipped(LAYERS, [0, 5])
+    for n in (64, 5000):
+        assert online.draft_cost(mask, n) == pytest.approx(prior.draft_cost(mask, n))
+        assert online.verify_cost(7, n) == pytest.approx(prior.verify_cost(7, n))
+        assert online.weights(n) == prior.weights(n)
+        assert online.t_attn(n, 2) == pytest.approx(prior.t_attn(n, 2))
+
+
+# ------------------------------------------------------------------------- configs
+
+
+@pytest.mark.parametrize(
+    ("config_class", "changes", "message"),
+    [
+        (OnlineCalibratedCostModelConfig, {"forgetting_factor": 0.0}, "forgetting_factor"),
+        (OnlineCalibratedCostModelConfig, {"forgetting_factor": 1.2}, "forgetting_factor"),
+        (OnlineCalibratedCostModelConfig, {"outlier_ratio": 1.0}, "outlier_ratio"),
+        (OnlineCalibratedCostModelConfig, {"outlier_patience": 0}, "outlier_patience"),
+        (OnlineCalibratedCostModelConfig, {"initial_uncertainty": -1.0}, "initial_uncertainty"),
+        (OnlineCalibratedCostModelConfig, {"innovation_clip": 0.0}, "innovation_clip"),
+        (FittedLinearCostModelConfig, {"profile": ""}, "profile"),
+        (FittedLinearCostModelConfig, {"pooled": "yes"}, "pooled"),
+    ],
+)
+def test_configs_validate(config_class: type, changes: dict[str, Any], message: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=message):
+        config_class(**changes)
+
+
+def test_registry_builds_both_models_from_a_profile_file(tmp_path: Path) -> None:
+    engine = tiny_engine()
+    profile = attrs.evolve(synthetic_profile(layers=2), key=ProfileKey.for_engine(engine))
+    path = str(profile.save(tmp_path / "p.json"))
+    assert {"linear", "online"} <= set(COST_MODELS.names())
+    linear_cls = COST_MODELS.get("linear")
+    linear = linear_cls.from_config(linear_cls.config_class(profile=path, pooled=True), engine)
+    assert isinstance(linear, FittedLinearCostModel) and linear.pooled
+    online_cls = COST_MODELS.get("online")
+    online = online_cls.from_config(online_cls.config_class(profile=path), engine)
+    assert isinstance(online, OnlineCalibratedCostModel)
+    foreign = attrs.evolve(profile, key=attrs.evolve(profile.key, device="cuda:0 Other GPU"))
+    foreign_path = str(foreign.save(tmp_path / "foreign.json"))
+    with pytest.raises(ProfileMismatchError, match="device"):
+        linear_cls.from_config(linear_cls.config_class(profile=foreign_path), engine)
+    forced = linear_cls.from_config(
+        linear_cls.config_class(profile=foreign_path, force=True), engine
+    )
+    assert isinstance(forced, FittedLinearCostModel)
+
+
+# ------------------------------------------------------------------------- profiler
+
+
+def test_profiler_smoke_on_a_tiny_model() -> None:
+    engine = tiny_engine(layers=3)
+    profile = profile_engine(
+        engine,
+        contexts=(8, 64, 200),
+        verify_contexts=(16, 128),
+        max_tokens=4,
+        repeats=2,
+        warmup=1,
+        progress=False,
+    )
+    assert profile.key == ProfileKey.for_engine(engine)
+    profile.check_compatible(engine)
+    assert profile.contexts == (8, 64, 200)
+    assert len(profile.attention_seconds) == 3 and len(profile.attention_seconds[0]) == 3
+    assert {(v.tokens, v.context_length) for v in profile.verify} == {
+        (k, n) for k in range(1, 5) for n in (16, 128)
+    }
+    timings = [*np.ravel(profile.attention_seconds), *np.ravel(profile.mlp_seconds)]
+    assert all(t > 0 for t in timings) and all(v.seconds > 0 for v in profile.verify)
+    model = FittedLinearCostModel.from_profile(profile)
+    assert model.verify_cost(4, 100) > 0 and min(model.weights(100)) == 1
+
+
+def test_profiler_clamps_contexts_to_the_model_and_has_a_quick_mode() -> None:
+    engine = tiny_engine()
+    profile = profile_engine(engine, quick=True, max_tokens=4, progress=False)
+    assert profile.quick and profile.repeats <= 3
+    assert profile.contexts[-1] <= engine.max_context - 2
+    assert max(v.context_length + v.tokens for v in profile.verify) <= engine.max_context
+    with pytest.raises(ValueError, match="repeats"):
+        profile_engine(engine, repeats=0)
+
+
+# ------------------------------------------------------------------- default model
+
+
+def test_default_cost_model_profiles_once_then_loads_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KNAPSPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv("KNAPSPEC_PROFILE", raising=False)
+    engine = tiny_engine()
+    calls: list[bool] = []
+
+    def fake_profile(engine: SublayerEngine, **kwargs: Any) -> LatencyProfile:
+        calls.append(kwargs.get("quick", False))
+        return attrs.evolve(synthetic_profile(layers=2), key=ProfileKey.for_engine(engine))
+
+    monkeypatch.setattr(defaults_module, "profile_engine", fake_profile)
+    first = default_cost_model(engine)
+    assert isinstance(first, OnlineCalibratedCostModel) and calls == [True]
+    cached = defaults_module.default_profile_path(engine)
+    assert cached.is_relative_to(tmp_path / "profiles") and cached.exists()
+    default_cost_model(engine)
+    assert calls == [True]  # loaded, not re-profiled
+    cached.write_text("{corrupt")
+    with pytest.warns(RuntimeWarning, match="not valid JSON"):
+        default_cost_model(engine)
+    assert calls == [True, True] and LatencyProfile.load(cached)
+
+
+def test_explicit_profile_variable_is_checked_not_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "mine.json"
+    path.write_text("")
+    monkeypatch.setenv("KNAPSPEC_PROFILE", str(path))
+    with pytest.raises(ProfileError, match="is empty"):
+        default_cost_model(tiny_engine())
+    assert path.read_text() == ""
