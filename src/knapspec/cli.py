@@ -160,8 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--output",
         metavar="FILE",
         type=Path,
-        default=Path("knapspec-profile.json"),
-        help="where to write the profile JSON. Default: %(default)s.",
+        default=None,
+        help="where to write the profile JSON. Default: this model's and machine's cache "
+        "file (the one the default online cost model loads; $KNAPSPEC_PROFILE overrides it).",
     )
     profile.add_argument(
         "--quick",
@@ -424,10 +425,13 @@ def _cmd_profile(args: argparse.Namespace, extra: Sequence[str]) -> int:
     profile = profile_engine(
         engine, max_tokens=config.max_draft_length + 1, quick=args.quick, progress=True
     )
+    from knapspec.costmodels.defaults import default_profile_path
+
+    output = args.output if args.output is not None else default_profile_path(engine)
     try:
-        written = profile.save(args.output)
+        written = profile.save(output)
     except OSError as error:
-        raise RunError(f"cannot write {args.output}: {error}") from error
+        raise RunError(f"cannot write {output}: {error}") from error
     print(f"wrote latency profile to {written}", file=sys.stderr)
     return 0
 
