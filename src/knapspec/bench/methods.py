@@ -1,0 +1,237 @@
+"""Benchmark methods: a name plus a decoder config, so that ablations are just more configs.
+
+Every method but ``generate`` is a :class:`~knapspec.decoding.decoder.SpeculativeDecoder`
+built from the run's base :class:`~knapspec.config.DecoderConfig` with the method's
+overrides merged in (:func:`method_config`). ``generate`` is ``model.generate`` called as
+users call it. ``ar`` (planner ``autoregressive``: plain decoding through our own engine)
+is the reference every other method is paired with.
+
+The ``static`` baseline is a fixed mask and γ. It is found once per scenario, before any
+timed call, by the knapsack planner (with the γ = 0 fallback off, so that it speculates)
+on a set-up prompt outside the measured set, and then frozen (``freeze_plan``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import attrs
+import torch
+
+from knapspec.config import COMPONENT_REGISTRIES, DecoderConfig
+from knapspec.decoding.decoder import GenerationResult, SpeculativeDecoder
+from knapspec.model.engine import SublayerEngine
+from knapspec.planners.static import StaticPlanner
+from knapspec.sampling import SamplingParams
+
+MethodKind = Literal["engine", "generate"]
+REFERENCE = "ar"
+GENERATE = "generate"
+
+
+class SupportsGenerate(Protocol):
+    """What the harness times: :meth:`SpeculativeDecoder.generate`'s signature."""
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        max_new_tokens: int = ...,
+        eos_token_id: int | Sequence[int] | None = ...,
+        sampling: SamplingParams | None = ...,
+    ) -> GenerationResult: ...
+
+
+#: Builds the object a method times from the shared engine and its merged config.
+DecoderFactory = Callable[[SublayerEngine, DecoderConfig], SupportsGenerate]
+
+
+def _default_factory(engine: SublayerEngine, config: DecoderConfig) -> SupportsGenerate:
+    return SpeculativeDecoder.from_config(engine, config)
+
+
+@attrs.frozen
+class MethodSpec:
+    """One benchmarked method.
+
+    Attributes:
+        name: identifier in results and on the command line.
+        config: :class:`DecoderConfig` dict-form overrides merged into the run's base config
+            (a component section naming the same component as the base is merged field by
+            field; naming another component replaces it).
+        kind: ``"engine"`` (a decoder built by ``factory``) or ``"generate"``
+            (``model.generate``; ``config`` is ignored).
+        freeze_plan: build the decoder, run it once on the scenario's set-up prompt, and
+            replace its planner by a :class:`StaticPlanner` holding its first speculative
+            plan (the static baseline).
+        description: one line for the report.
+        factory: builds the timed object (default: ``SpeculativeDecoder.from_config``);
+            tests use it to inject a broken decoder.
+    """
+
+    name: str
+    config: Mapping[str, Any] = attrs.field(factory=dict, eq=False)
+    kind: MethodKind = "engine"
+    freeze_plan: bool = False
+    description: str = ""
+    factory: DecoderFactory = attrs.field(default=_default_factory, eq=False, repr=False)
+
+
+def method_config(base: DecoderConfig, overrides: Mapping[str, Any]) -> DecoderConfig:
+    """``base`` with a method's dict-form ``overrides`` merged in.
+
+    Raises:
+        ConfigError / UnknownComponentError: the merged config is invalid.
+    """
+    data = base.to_dict()
+    for key, value in overrides.items():
+        current = data.get(key)
+        if key in COMPONENT_REGISTRIES and isinstance(value, Mapping):
+            same = (
+                isinstance(current, Mapping)
+                and value.get("name", current["name"]) == current["name"]
+            )
+            data[key] = {**current, **value} if same and isinstance(current, Mapping) else value
+        elif key == "sampling" and isinstance(value, Mapping) and isinstance(current, Mapping):
+            data[key] = {**current, **value}
+        else:
+            data[key] = value
+    return DecoderConfig.from_dict(data)
+
+
+def freeze_first_plan(decoder: SpeculativeDecoder, result: GenerationResult) -> StaticPlanner:
+    """A static planner holding the first speculative plan ``decoder`` used in ``result``.
+
+    Raises:
+        RuntimeError: the call never speculated (no plan with γ > 0 to freeze).
+    """
+    engine = decoder.engine
+    for record in result.stats.plans:
+        if record.draft_length > 0:
+            planner = StaticPlanner.from_config(
+                StaticPlanner.config_class(
+                    skipped_items=record.skipped_items, draft_length=record.draft_length
+                ),
+                engine,
+            )
+            return planner
+    raise RuntimeError(
+        "the static baseline could not be frozen: the knapsack planner never speculated on the "
+        "set-up prompt (plans: " + ", ".join(str(p) for p in result.stats.plans) + ")"
+    )
+
+
+def default_methods() -> tuple[MethodSpec, ...]:
+    """``model.generate``, AR through our engine, the baselines and KnapSpec."""
+    return (
+        MethodSpec(GENERATE, kind="generate", description="model.generate, default settings"),
+        MethodSpec(
+            REFERENCE,
+            {"planner": {"name": "autoregressive"}},
+            description="plain decoding through the knapspec engine (the paired reference)",
+        ),
+        MethodSpec(
+            "static",
+            {"planner": {"name": "knapsack", "allow_no_speculation": False}},
+            freeze_plan=True,
+            description="the knapsack planner's first plan on a set-up prompt, frozen",
+        ),
+        MethodSpec("swift", {"planner": {"name": "swift"}}, description="SWIFT-style Bayesian"),
+        MethodSpec("clasp", {"planner": {"name": "clasp"}}, description="CLaSp layer-skip DP"),
+        MethodSpec("del", {"planner": {"name": "del"}}, description="DEL dynamic early exit"),
+        MethodSpec("knapspec", {"planner": {"name": "knapsack"}}, description="KnapSpec, defaults"),
+    )
+
+
+def ablation_methods(profile_path: Path | None) -> tuple[MethodSpec, ...]:
+    """KnapSpec with one design choice changed each (``knapspec`` is the other arm).
+
+    Args:
+        profile_path: latency profile for the fitted ("linear") cost model arm; that arm is
+            left out when None.
+    """
+    knapsack = "knapsack"
+    methods = [
+        MethodSpec(
+            "knapspec-tied",
+            {"planner": {"name": knapsack, "decoupled": False}},
+            description="attention and MLP of a layer tied into one item",
+        ),
+        MethodSpec(
+            "knapspec-tpl",
+            {"planner": {"name": knapsack, "objective": "tpl"}},
+            description="DEL's tokens-per-layer objective instead of TPT",
+        ),
+        MethodSpec(
+            "knapspec-plan-once",
+            {
+                "planner": {
+                    "name": knapsack,
+                    "context_growth": None,
+                    "acceptance_drift": None,
+                    "every_rounds": None,
+                }
+            },
+            description="planned once per call, never re-planned",
+        ),
+        MethodSpec(
+            "knapspec-montecarlo",
+            {"proxy": {"name": "montecarlo"}},
+            description="Monte-Carlo acceptance proxy instead of cosine",
+        ),
+        MethodSpec(
+            "knapspec-no-fallback",
+            {"planner": {"name": knapsack, "allow_no_speculation": False}},
+            description="without the γ = 0 fallback",
+        ),
+    ]
+    if profile_path is not None:
+        methods.append(
+            MethodSpec(
+                "knapspec-linear",
+                {"cost_model": {"name": "linear", "profile": str(profile_path)}},
+                description="fitted linear cost model (fixed profile) instead of online",
+            )
+        )
+    return tuple(methods)
+
+
+def select_methods(
+    available: Sequence[MethodSpec], names: Sequence[str] | None
+) -> tuple[MethodSpec, ...]:
+    """The methods named in ``names`` (all when None); the AR reference is always included.
+
+    Raises:
+        ValueError: an unknown name (the message lists the valid ones).
+    """
+    by_name = {method.name: method for method in available}
+    if not names:
+        chosen = list(available)
+    else:
+        unknown = [name for name in names if name not in by_name]
+        if unknown:
+            raise ValueError(f"unknown method(s) {', '.join(unknown)}; valid: {', '.join(by_name)}")
+        chosen = [by_name[name] for name in dict.fromkeys(names)]
+    if all(method.name != REFERENCE for method in chosen):
+        reference = by_name.get(REFERENCE) or next(
+            m for m in default_methods() if m.name == REFERENCE
+        )
+        chosen.insert(0, reference)
+    return tuple(chosen)
+
+
+__all__ = [
+    "GENERATE",
+    "REFERENCE",
+    "DecoderFactory",
+    "MethodKind",
+    "MethodSpec",
+    "SupportsGenerate",
+    "ablation_methods",
+    "default_methods",
+    "freeze_first_plan",
+    "method_config",
+    "select_methods",
+]

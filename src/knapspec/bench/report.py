@@ -1,0 +1,530 @@
+"""Tables, plots and ``docs/benchmarks.md``, derived only from a run directory's files.
+
+Every number is computed from ``raw.jsonl`` / ``oracle.jsonl`` / ``vcurve.jsonl``; nothing
+is typed by hand. Speedups are medians of per-pair ratios with their min-max range:
+
+* vs AR: each call's ``speedup_vs_ar`` (its tokens/s over the mean of the AR calls just
+  before and after it);
+* vs ``model.generate``: per (prompt, pair round), the method's tokens/s over
+  ``model.generate``'s in the same round (AR's row uses the reference calls of the round).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from knapspec.bench.methods import GENERATE, REFERENCE
+from knapspec.bench.records import FAILED_RAW, ORACLE, RAW, RUN_INFO, SETUP, VCURVE, read_jsonl
+
+REPORT = "report.md"
+SPEEDUP_PLOT = "speedup_vs_context.png"
+MASKS_PLOT = "knapspec_masks.png"
+VK_PLOT = "vk_curves.png"
+
+
+class ReportError(ValueError):
+    """The run directory cannot be reported (missing, failed or empty)."""
+
+
+@attrs.frozen
+class Spread:
+    """Median and min-max of a sample."""
+
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> Spread | None:
+        data = [v for v in values if v is not None]
+        if not data:
+            return None
+        return cls(statistics.median(data), min(data), max(data))
+
+    def text(self, digits: int = 2) -> str:
+        return f"{self.median:.{digits}f} [{self.low:.{digits}f}-{self.high:.{digits}f}]"
+
+
+@attrs.frozen
+class MethodRow:
+    """One table row: a method at one scenario and length."""
+
+    scenario: str
+    context: int
+    context_length: float
+    method: str
+    calls: int
+    tokens_per_second: Spread | None
+    speedup_vs_ar: Spread | None
+    speedup_vs_generate: Spread | None
+    acceptance_rate: float
+    mean_accepted_length: float
+    new_tokens: float
+    plan_share: float
+    draft_share: float
+    verify_share: float
+    fraction_of_oracle: float | None
+
+
+@attrs.frozen
+class RunData:
+    """Everything a run directory holds."""
+
+    run_dir: Path
+    info: dict[str, Any]
+    raw: list[dict[str, Any]]
+    setup: list[dict[str, Any]]
+    oracle: list[dict[str, Any]]
+    vcurve: list[dict[str, Any]]
+
+    @classmethod
+    def load(cls, run_dir: Path) -> RunData:
+        """Read a run directory.
+
+        Raises:
+            ReportError: no such directory, a failed run, or no raw results.
+        """
+        if not run_dir.is_dir():
+            raise ReportError(f"{run_dir}: no such run directory")
+        if (run_dir / FAILED_RAW).exists():
+            raise ReportError(
+                f"{run_dir}: this run failed its losslessness check ({FAILED_RAW}); a failed run "
+                "is a bug, never a result"
+            )
+        info_path = run_dir / RUN_INFO
+        info = json.loads(info_path.read_text(encoding="utf-8")) if info_path.exists() else {}
+        raw = list(read_jsonl(run_dir / RAW))
+        if not raw:
+            raise ReportError(f"{run_dir}: no results in {RAW}")
+        return cls(
+            run_dir,
+            info,
+            raw,
+            list(read_jsonl(run_dir / SETUP)),
+            list(read_jsonl(run_dir / ORACLE)),
+            list(read_jsonl(run_dir / VCURVE)),
+        )
+
+    def methods(self) -> list[str]:
+        listed = [m["name"] for m in self.info.get("methods", [])]
+        seen = list(dict.fromkeys(row["method"] for row in self.raw))
+        return [m for m in listed if m in seen] + [m for m in seen if m not in listed]
+
+    def oracle_speedup(self, scenario: str, context: int) -> float | None:
+        values = [
+            row["speedup"]
+            for row in self.oracle
+            if row["scenario"] == scenario and row["context"] == context
+        ]
+        return statistics.median(values) if values else None
+
+
+def _share(rows: Sequence[dict[str, Any]], key: str) -> float:
+    total = sum(row["wall_time"] for row in rows)
+    return sum(row[key] for row in rows) / total if total > 0 else 0.0
+
+
+def summarise(data: RunData) -> list[MethodRow]:
+    """One :class:`MethodRow` per (scenario, context, method), in run order."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+    for row in data.raw:
+        groups[(row["scenario"], row["context"])].append(row)
+    result = []
+    for (scenario, context), rows in groups.items():
+        generate = {
+            (row["prompt_id"], row["pair"]): row["tokens_per_second"]
+            for row in rows
+            if row["method"] == GENERATE
+        }
+        oracle = data.oracle_speedup(scenario, context)
+        for method in data.methods():
+            mine = [row for row in rows if row["method"] == method]
+            if not mine:
+                continue
+            if method == REFERENCE:
+                vs_ar: Spread | None = Spread(1.0, 1.0, 1.0)
+            else:
+                vs_ar = Spread.of(row["speedup_vs_ar"] for row in mine)
+            by_round: dict[tuple[str, int], list[float]] = defaultdict(list)
+            for row in mine:
+                by_round[(row["prompt_id"], row["pair"])].append(row["tokens_per_second"])
+            vs_generate = Spread.of(
+                statistics.mean(values) / generate[key]
+                for key, values in by_round.items()
+                if key in generate and generate[key] > 0
+            )
+            drafted = sum(row["drafted_tokens"] for row in mine)
+            rounds = sum(len(row["accept_lengths"]) for row in mine)
+            result.append(
+                MethodRow(
+                    scenario=scenario,
+                    context=context,
+                    context_length=statistics.mean(row["context_length"] for row in mine),
+                    method=method,
+                    calls=len(mine),
+                    tokens_per_second=Spread.of(row["tokens_per_second"] for row in mine),
+                    speedup_vs_ar=vs_ar,
+                    speedup_vs_generate=vs_generate if method != GENERATE else None,
+                    acceptance_rate=(
+                        sum(row["accepted_tokens"] for row in mine) / drafted if drafted else 0.0
+                    ),
+                    mean_accepted_length=(
+                        sum(sum(row["accept_lengths"]) for row in mine) / rounds if rounds else 0.0
+                    ),
+                    new_tokens=statistics.mean(row["new_tokens"] for row in mine),
+                    plan_share=_share(mine, "plan_seconds"),
+                    draft_share=_share(mine, "draft_seconds"),
+                    verify_share=_share(mine, "verify_seconds"),
+                    fraction_of_oracle=(
+                        vs_ar.median / oracle if vs_ar is not None and oracle else None
+                    ),
+                )
+            )
+    return result
+
+
+# ------------------------------------------------------------------------ tables
+def _markdown(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _context_label(row: MethodRow) -> str:
+    return (
+        f"{row.context} ({row.context_length:.0f})"
+        if row.context
+        else f"short ({row.context_length:.0f})"
+    )
+
+
+def method_table(rows: Sequence[MethodRow]) -> str:
+    """The main table: speed, acceptance and the time split per method."""
+    header = [
+        "scenario",
+        "N (tokens)",
+        "method",
+        "tok/s",
+        "speedup vs AR",
+        "vs model.generate",
+        "α",
+        "mean acc. len",
+        "plan / draft / verify",
+        "of oracle",
+    ]
+
+    def cells(row: MethodRow) -> list[str]:
+        def spread(value: Spread | None) -> str:
+            return value.text() if value is not None else "–"
+
+        split = f"{row.plan_share:.0%} / {row.draft_share:.0%} / {row.verify_share:.0%}"
+        return [
+            row.scenario,
+            _context_label(row),
+            row.method,
+            spread(row.tokens_per_second),
+            spread(row.speedup_vs_ar),
+            spread(row.speedup_vs_generate),
+            f"{row.acceptance_rate:.2f}" if row.method not in (REFERENCE, GENERATE) else "–",
+            f"{row.mean_accepted_length:.2f}",
+            split if row.method != GENERATE else "–",
+            f"{row.fraction_of_oracle:.0%}" if row.fraction_of_oracle is not None else "–",
+        ]
+
+    return _markdown(header, (cells(row) for row in rows))
+
+
+def oracle_table(data: RunData) -> str:
+    header = ["scenario", "N (tokens)", "oracle speedup", "best mask (family, skipped)", "γ", "α"]
+    rows = []
+    for line in data.oracle:
+        best = line.get("best")
+        label = f"{line['context']} ({line['context_length']})"
+        if best is None:
+            rows.append(
+                [line["scenario"], label, f"{line['speedup']:.2f}", "plain decoding", "0", "–"]
+            )
+        else:
+            rows.append(
+                [
+                    line["scenario"],
+                    label,
+                    f"{line['speedup']:.2f}",
+                    f"{best['family']}, {len(best['skipped_items'])} items",
+                    str(best["best_draft_length"]),
+                    f"{best['alpha']:.2f}",
+                ]
+            )
+    return _markdown(header, rows)
+
+
+def vcurve_table(data: RunData) -> str:
+    if not data.vcurve:
+        return ""
+    widths = data.vcurve[0]["k"]
+    shown = [k for k in widths if k in (2, 3, 4, 6, 8, 11) or k == widths[-1]]
+    header = ["context", "backend", "1-token step ms", *[f"v({k})" for k in shown]]
+    rows = []
+    for line in data.vcurve:
+        ratio = dict(zip(line["k"], line["ratio"], strict=True))
+        rows.append(
+            [
+                str(line["context_length"]),
+                line["backend"],
+                f"{1000 * line['seconds'][0]:.1f}",
+                *[f"{ratio[k]:.2f}" for k in shown],
+            ]
+        )
+    return _markdown(header, rows)
+
+
+def setup_table(data: RunData) -> str:
+    rows = [
+        [
+            line["method"],
+            line["kind"],
+            line.get("scenario", "–"),
+            f"{line['seconds']:.2f}",
+            (
+                f"skips {line['skipped_items']}, γ = {line['draft_length']}"
+                if line["kind"] == "freeze"
+                else ""
+            ),
+        ]
+        for line in data.setup
+    ]
+    return _markdown(["method", "set-up", "scenario", "seconds", "note"], rows)
+
+
+# ------------------------------------------------------------------------ plots
+def plot_speedup(data: RunData, rows: Sequence[MethodRow], path: Path) -> None:
+    """Speedup vs AR against context, one panel per scenario, the oracle as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scenarios = list(dict.fromkeys(row.scenario for row in rows))
+    figure, axes = plt.subplots(
+        1, len(scenarios), figsize=(4.5 * len(scenarios), 3.8), squeeze=False
+    )
+    for axis, scenario in zip(axes[0], scenarios, strict=True):
+        mine = [row for row in rows if row.scenario == scenario]
+        for method in dict.fromkeys(row.method for row in mine):
+            points = sorted(
+                (row.context_length, row.speedup_vs_ar)
+                for row in mine
+                if row.method == method and row.speedup_vs_ar is not None
+            )
+            xs = [x for x, _ in points]
+            medians = [s.median for _, s in points if s is not None]
+            low = [s.median - s.low for _, s in points if s is not None]
+            high = [s.high - s.median for _, s in points if s is not None]
+            axis.errorbar(xs, medians, yerr=[low, high], marker="o", capsize=3, label=method)
+        oracle = sorted(
+            (line["context_length"], line["speedup"])
+            for line in data.oracle
+            if line["scenario"] == scenario
+        )
+        if oracle:
+            axis.plot(*zip(*oracle, strict=True), "k--", marker="x", label="oracle")
+        axis.axhline(1.0, color="grey", linewidth=0.8)
+        axis.set_title(scenario)
+        axis.set_xlabel("prompt tokens")
+        axis.set_ylabel("speedup vs AR (engine)")
+    axes[0][-1].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def plot_masks(data: RunData, path: Path, method: str = "knapspec") -> bool:
+    """The skipped attention / MLP items and γ KnapSpec chose, against context length."""
+    plans = [plan for row in data.raw if row["method"] == method for plan in row.get("plans", [])]
+    if not plans:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 3.8))
+    xs = [plan["context_length"] for plan in plans]
+    axis.scatter(xs, [p["skipped_attention"] for p in plans], label="skipped attention", s=12)
+    axis.scatter(xs, [p["skipped_mlp"] for p in plans], label="skipped MLP", s=12, marker="s")
+    axis.scatter(xs, [p["draft_length"] for p in plans], label="γ", s=12, marker="^")
+    axis.set_xlabel("context length at planning time")
+    axis.set_ylabel("count")
+    axis.set_title(f"plans chosen by {method}")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+def plot_vcurves(data: RunData, path: Path) -> bool:
+    """v(k) at each measured context, engine (solid) and HF DynamicCache (dashed)."""
+    if not data.vcurve:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 3.8))
+    colours: dict[int, Any] = {}
+    for line in sorted(data.vcurve, key=lambda item: item["context_length"]):
+        length = line["context_length"]
+        style = "-" if line["backend"] == "engine" else "--"
+        kwargs: dict[str, Any] = {"color": colours[length]} if length in colours else {}
+        (handle,) = axis.plot(
+            line["k"],
+            line["ratio"],
+            style,
+            marker="o",
+            markersize=3,
+            label=f"n={length} {line['backend']}",
+            **kwargs,
+        )
+        colours[length] = handle.get_color()
+    axis.set_xlabel("k (tokens verified in one step)")
+    axis.set_ylabel("v(k) = t(k) / t(1)")
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+# ------------------------------------------------------------------------ documents
+def _environment_lines(info: dict[str, Any]) -> list[str]:
+    env = info.get("environment", {})
+    keys = (
+        "model",
+        "dtype",
+        "device",
+        "threads",
+        "attn_implementation",
+        "cache",
+        "torch",
+        "transformers",
+        "knapspec",
+        "commit",
+        "python",
+    )
+    return [f"- {key}: `{env[key]}`" for key in keys if key in env]
+
+
+def render(data: RunData, image_prefix: str = "") -> str:
+    """The report as Markdown; images are referenced as ``image_prefix + file name``."""
+    rows = summarise(data)
+    info = data.info
+    parts = [
+        f"Run `{info.get('run_name', data.run_dir.name)}` ({info.get('status', 'unknown')}): "
+        f"{info.get('prompts', '?')} prompt(s) per length, {info.get('pairs', '?')} pair "
+        "round(s) per prompt, interleaved `AR, method, AR, ...` after a warm-up; speedups are "
+        "medians of per-pair ratios with [min-max].",
+        "",
+        "Reproduce with:",
+        "",
+        "```",
+        info.get("command", "knapspec bench"),
+        f"knapspec bench report {data.run_dir}",
+        "```",
+        "",
+        "Environment:",
+        "",
+        *_environment_lines(info),
+        "",
+        "## Speed, acceptance and time split",
+        "",
+        method_table(rows),
+        "",
+        f"![speedup vs context]({image_prefix}{SPEEDUP_PLOT})",
+        "",
+    ]
+    if data.oracle:
+        parts += [
+            "## Oracle frontier",
+            "",
+            "Best fixed (mask, γ) in hindsight, planning free, from teacher-forced acceptance on "
+            "the first prompt's AR continuation and costs measured with the engine "
+            "(`knapspec.bench.oracle`). 1.00 means nothing beats plain decoding.",
+            "",
+            oracle_table(data),
+            "",
+        ]
+    if (data.run_dir / MASKS_PLOT).exists():
+        parts += ["## Masks KnapSpec chose", "", f"![masks]({image_prefix}{MASKS_PLOT})", ""]
+    if data.vcurve:
+        parts += [
+            "## Verification cost v(k)",
+            "",
+            "v(k) = time of one step over k new tokens / time of a 1-token step, at the "
+            "prompt's context; `engine` is knapspec's preallocated cache and grouped-query "
+            "attention, `hf-dynamic-cache` the model's own forward with a `DynamicCache`.",
+            "",
+            vcurve_table(data),
+            "",
+            f"![v(k)]({image_prefix}{VK_PLOT})",
+            "",
+        ]
+    if data.setup:
+        parts += ["## One-time set-up (not timed in the calls)", "", setup_table(data), ""]
+    return "\n".join(parts)
+
+
+def write_report(run_dir: Path, docs: Path | None = None) -> Path:
+    """Write plots and ``report.md`` into ``run_dir``; optionally regenerate ``docs``.
+
+    Returns:
+        The path of ``report.md``.
+
+    Raises:
+        ReportError: see :meth:`RunData.load`.
+    """
+    data = RunData.load(run_dir)
+    rows = summarise(data)
+    plot_speedup(data, rows, run_dir / SPEEDUP_PLOT)
+    plot_masks(data, run_dir / MASKS_PLOT)
+    plot_vcurves(data, run_dir / VK_PLOT)
+    report = run_dir / REPORT
+    report.write_text("# Benchmark report\n\n" + render(data) + "\n", encoding="utf-8")
+    if docs is not None:
+        prefix = Path(_relative(run_dir, docs.parent)).as_posix().rstrip("/") + "/"
+        docs.parent.mkdir(parents=True, exist_ok=True)
+        docs.write_text(
+            "# Benchmarks\n\n"
+            "<!-- Generated by `knapspec bench report` from committed results; do not edit. -->\n\n"
+            + render(data, image_prefix=prefix)
+            + "\n",
+            encoding="utf-8",
+        )
+    return report
+
+
+def _relative(path: Path, start: Path) -> str:
+    import os
+
+    return os.path.relpath(path.resolve(), start.resolve())
+
+
+__all__ = [
+    "MethodRow",
+    "ReportError",
+    "RunData",
+    "Spread",
+    "method_table",
+    "oracle_table",
+    "render",
+    "summarise",
+    "write_report",
+]

@@ -1,0 +1,185 @@
+"""Benchmark scenarios (bench-protocol.md): what is asked of the model, at which lengths.
+
+A :class:`Scenario` is a prompt family (summarise, copy, long generation), the prompt
+lengths it is run at, the number of new tokens and the sampling parameters. Prompts are
+built from real text by :mod:`knapspec.bench.prompts`, deterministically from a seed, so
+every method sees exactly the same token ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
+
+import attrs
+import torch
+
+from knapspec.bench.prompts import copy_prompt, long_generation_prompt, long_input_prompt
+from knapspec.sampling import SamplingParams
+
+PromptKind = Literal["summarise", "copy", "long-generation"]
+
+#: Seeds of benchmark prompts start here; the warm-up / set-up prompt uses another range so
+#: that a plan frozen on it (the static baseline) was not fitted to the measured prompts.
+PROMPT_SEED_BASE = 1000
+SETUP_SEED_BASE = 9000
+
+
+def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(v) for v in values)
+
+
+def _positive_ints(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not value or any(int(v) < 0 for v in value):
+        raise ValueError(f"{attribute.name} must be a non-empty tuple of lengths >= 0, got {value}")
+
+
+@attrs.frozen
+class BenchPrompt:
+    """One prompt of a scenario at one nominal length.
+
+    Attributes:
+        prompt_id: stable name, ``<scenario>/<context>/<index>``.
+        scenario: the scenario's name.
+        context: nominal prompt length N (0 for the short long-generation prompts).
+        index: position among the prompts of this scenario and length.
+        input_ids: ``(n,)`` token ids (chat template applied); ``n`` is near ``context``.
+    """
+
+    prompt_id: str
+    scenario: str
+    context: int
+    index: int
+    input_ids: torch.Tensor = attrs.field(eq=False, repr=False)
+
+    @property
+    def context_length(self) -> int:
+        """Actual prompt tokens ``n``."""
+        return int(self.input_ids.numel())
+
+
+@attrs.frozen
+class Scenario:
+    """A benchmark scenario.
+
+    Attributes:
+        name: short identifier used on the command line and in results.
+        kind: the prompt family.
+        contexts: nominal prompt lengths N (ignored by ``long-generation``, which uses a
+            short instruction; give ``(0,)``).
+        new_tokens: tokens to generate per call.
+        sampling: greedy (the default; outputs are checked token for token against AR) or
+            sampled decoding.
+        description: one line for the report.
+    """
+
+    name: str
+    kind: PromptKind = attrs.field(
+        validator=attrs.validators.in_(("summarise", "copy", "long-generation"))
+    )
+    contexts: tuple[int, ...] = attrs.field(converter=_int_tuple, validator=_positive_ints)
+    new_tokens: int = attrs.field(validator=attrs.validators.ge(1))
+    sampling: SamplingParams = attrs.field(factory=SamplingParams)
+    description: str = ""
+
+    @property
+    def greedy(self) -> bool:
+        return not self.sampling.do_sample
+
+    def prompts(self, tokenizer: Any, context: int, count: int) -> list[BenchPrompt]:
+        """``count`` prompts at nominal length ``context`` (deterministic)."""
+        return [
+            BenchPrompt(
+                prompt_id=f"{self.name}/{context}/{index}",
+                scenario=self.name,
+                context=context,
+                index=index,
+                input_ids=self._build(tokenizer, context, PROMPT_SEED_BASE + 97 * context + index),
+            )
+            for index in range(count)
+        ]
+
+    def setup_prompt(self, tokenizer: Any, context: int) -> BenchPrompt:
+        """A prompt outside the measured set, for warm-up and one-time set-up."""
+        ids = self._build(tokenizer, context, SETUP_SEED_BASE + context)
+        return BenchPrompt(f"{self.name}/{context}/setup", self.name, context, -1, ids)
+
+    def _build(self, tokenizer: Any, context: int, seed: int) -> torch.Tensor:
+        builders: dict[str, Callable[[], torch.Tensor]] = {
+            "summarise": lambda: long_input_prompt(tokenizer, context, seed=seed),
+            "copy": lambda: copy_prompt(tokenizer, context, seed=seed),
+            "long-generation": lambda: long_generation_prompt(tokenizer, seed=seed),
+        }
+        return builders[self.kind]()
+
+
+SAMPLING = SamplingParams(do_sample=True, temperature=0.7, top_p=0.9)
+
+
+def default_scenarios(*, quick: bool = False) -> tuple[Scenario, ...]:
+    """The protocol's scenarios; ``quick`` shrinks lengths and generations for smoke runs."""
+    if quick:
+        return (
+            Scenario("long-input", "summarise", (128, 256), 16, description="summarise N tokens"),
+            Scenario("copy-heavy", "copy", (256,), 16, description="copy a passage verbatim"),
+            Scenario("long-generation", "long-generation", (0,), 32, description="short prompt"),
+            Scenario("sampling", "summarise", (128,), 16, SAMPLING, "T = 0.7, top-p 0.9"),
+        )
+    return (
+        Scenario(
+            "long-input",
+            "summarise",
+            (512, 2048, 4096),
+            128,
+            description="summarise N tokens of a novel, 128 new tokens, greedy",
+        ),
+        Scenario(
+            "copy-heavy",
+            "copy",
+            (2048, 4096),
+            128,
+            description="reproduce an N-token passage word for word, 128 new tokens, greedy",
+        ),
+        Scenario(
+            "long-generation",
+            "long-generation",
+            (0,),
+            512,
+            description="short instruction, 512 new tokens, greedy",
+        ),
+        Scenario(
+            "sampling",
+            "summarise",
+            (512, 2048, 4096),
+            128,
+            SAMPLING,
+            description="the long-input prompts sampled at T = 0.7, top-p 0.9",
+        ),
+    )
+
+
+def select_scenarios(
+    available: Sequence[Scenario], names: Sequence[str] | None
+) -> tuple[Scenario, ...]:
+    """The scenarios named in ``names`` (all when None), in the given order.
+
+    Raises:
+        ValueError: an unknown name (the message lists the valid ones).
+    """
+    if not names:
+        return tuple(available)
+    by_name = {scenario.name: scenario for scenario in available}
+    unknown = [name for name in names if name not in by_name]
+    if unknown:
+        raise ValueError(f"unknown scenario(s) {', '.join(unknown)}; valid: {', '.join(by_name)}")
+    return tuple(by_name[name] for name in names)
+
+
+__all__ = [
+    "SAMPLING",
+    "BenchPrompt",
+    "PromptKind",
+    "Scenario",
+    "default_scenarios",
+    "select_scenarios",
+]

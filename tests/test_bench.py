@@ -1,0 +1,247 @@
+"""The benchmark harness on a tiny random Llama (seconds): results, report, losslessness."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from knapspec.bench import (
+    BenchOptions,
+    LosslessnessError,
+    MethodSpec,
+    OracleOptions,
+    ReportError,
+    Scenario,
+    cli_main,
+    default_methods,
+    method_config,
+    run_benchmark,
+    select_methods,
+    write_report,
+)
+from knapspec.bench.oracle import expected_tokens_from_runs
+from knapspec.bench.scenarios import SAMPLING
+from knapspec.config import DecoderConfig
+from knapspec.decoding.decoder import GenerationResult, SpeculativeDecoder
+from knapspec.model.engine import SublayerEngine
+
+WORDS = [
+    "the",
+    "a",
+    "and",
+    "of",
+    "to",
+    "in",
+    "was",
+    "her",
+    "she",
+    "he",
+    "it",
+    "that",
+    "not",
+    "be",
+    "had",
+    "for",
+    "with",
+    "as",
+    "his",
+    "on",
+    ",",
+    ".",
+    ";",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[Any, Any]:
+    """A 3-layer random Llama and a word-level tokenizer over common English words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {word: index for index, word in enumerate(["[UNK]", *WORDS])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=backend, unk_token="[UNK]"
+    )
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} . {% endfor %}"
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    model = LlamaForCausalLM(config).eval()  # type: ignore[no-untyped-call]
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # sharp logits: no greedy ties between implementations
+    return model, tokenizer
+
+
+SCENARIO = Scenario("tiny", "summarise", (24,), 6, description="tiny")
+STATIC = MethodSpec(
+    "static-2", {"planner": {"name": "static", "skipped_items": [1], "draft_length": 2}}
+)
+
+
+def _options(tmp_path: Path, methods: tuple[MethodSpec, ...], **changes: Any) -> BenchOptions:
+    options = BenchOptions(
+        scenarios=(SCENARIO,),
+        methods=methods,
+        prompts=1,
+        pairs=2,
+        threads=1,
+        output_dir=tmp_path,
+        run_name="smoke",
+        base_config=DecoderConfig.from_dict({"max_draft_length": 2}),
+        oracle=OracleOptions(max_draft_length=2, sizes=(1, 2), repeats=1, calibration_tokens=2),
+        vcurve_repeats=1,
+        warmup_tokens=2,
+        progress=False,
+    )
+    return attrs.evolve(options, **changes)
+
+
+def _reference() -> MethodSpec:
+    return next(m for m in default_methods() if m.name == "ar")
+
+
+def test_harness_writes_raw_results_and_report(tiny: tuple[Any, Any], tmp_path: Path) -> None:
+    model, tokenizer = tiny
+    generate = next(m for m in default_methods() if m.name == "generate")
+    sampled = Scenario("tiny-sampled", "summarise", (24,), 6, SAMPLING)
+    options = _options(tmp_path, (_reference(), generate, STATIC), scenarios=(SCENARIO, sampled))
+    run_dir = run_benchmark(model, tokenizer, options)
+
+    rows = [json.loads(line) for line in (run_dir / "raw.jsonl").read_text().splitlines()]
+    methods = [row["method"] for row in rows if row["scenario"] == "tiny"]
+    # Per pair round: AR, m1, AR, m2, AR -> 2 method calls and 3 AR calls; 2 rounds.
+    assert methods.count("generate") == methods.count("static-2") == 2
+    assert methods.count("ar") == 6
+    for row in rows:
+        for key in ("new_tokens", "wall_time", "accept_lengths", "decoding_steps", "env", "plans"):
+            assert key in row, key
+        assert row["env"]["threads"] == 1
+        assert sum(row["accept_lengths"]) == row["new_tokens"] - 1  # first: prefill
+    greedy_methods = [r for r in rows if r["scenario"] == "tiny" and r["role"] == "method"]
+    assert all(r["lossless"] is True and r["speedup_vs_ar"] > 0 for r in greedy_methods)
+    static_rows = [r for r in rows if r["method"] == "static-2"]
+    assert all(r["plans"][0]["skipped_items"] == [1] for r in static_rows)
+    assert all(r["lossless"] is None for r in rows if r["scenario"] == "tiny-sampled")
+
+    oracle = [json.loads(line) for line in (run_dir / "oracle.jsonl").read_text().splitlines()]
+    assert {o["scenario"] for o in oracle} == {"tiny", "tiny-sampled"}
+    assert all(o["speedup"] >= 1.0 and len(o["verify_seconds"]) == 3 for o in oracle)
+    assert {c["family"] for c in oracle[0]["candidates"]} == {
+        "attention",
+        "mlp",
+        "layers",
+        "greedy",
+    }
+    vcurves = [json.loads(line) for line in (run_dir / "vcurve.jsonl").read_text().splitlines()]
+    assert {v["backend"] for v in vcurves} == {"engine", "hf-dynamic-cache"}
+
+    docs = tmp_path / "docs" / "benchmarks.md"
+    report = write_report(run_dir, docs)
+    text = report.read_text()
+    assert "static-2" in text and "Oracle frontier" in text and "v(k)" in text
+    assert (run_dir / "speedup_vs_context.png").stat().st_size > 0
+    assert (run_dir / "vk_curves.png").stat().st_size > 0
+    assert "../smoke/speedup_vs_context.png" in docs.read_text()
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "completed"
+
+
+class _CorruptingDecoder:
+    """Wraps a real decoder and changes one generated token: a deliberately broken method."""
+
+    def __init__(self, engine: SublayerEngine, config: DecoderConfig) -> None:
+        self.inner = SpeculativeDecoder.from_config(engine, config)
+        self.vocab = engine.vocab_size
+
+    def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> GenerationResult:
+        result = self.inner.generate(input_ids, **kwargs)
+        tokens = result.tokens.clone()
+        tokens[-1] = (tokens[-1] + 1) % self.vocab
+        return attrs.evolve(result, tokens=tokens)
+
+
+def test_broken_method_fails_the_run_loudly(tiny: tuple[Any, Any], tmp_path: Path) -> None:
+    model, tokenizer = tiny
+    broken = MethodSpec(
+        "broken", {"planner": {"name": "autoregressive"}}, factory=_CorruptingDecoder
+    )
+    options = _options(tmp_path, (_reference(), broken), oracle=None, vcurve=False)
+    with pytest.raises(LosslessnessError, match="broken"):
+        run_benchmark(model, tokenizer, options)
+    run_dir = options.run_dir
+    assert not (run_dir / "raw.jsonl").exists() and (run_dir / "raw.failed.jsonl").exists()
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "failed"
+    with pytest.raises(ReportError, match="losslessness"):
+        write_report(run_dir)
+
+
+def test_existing_results_are_not_overwritten(tiny: tuple[Any, Any], tmp_path: Path) -> None:
+    model, tokenizer = tiny
+    options = _options(tmp_path, (_reference(),), oracle=None, vcurve=False, pairs=1)
+    run_benchmark(model, tokenizer, options)
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        run_benchmark(model, tokenizer, options)
+    run_benchmark(model, tokenizer, attrs.evolve(options, overwrite=True))
+
+
+@given(st.lists(st.lists(st.booleans(), min_size=1, max_size=12), min_size=1, max_size=3))
+def test_expected_tokens_match_a_brute_force_round_count(rows: list[list[bool]]) -> None:
+    width = min(len(row) for row in rows)
+    agreement = np.array([row[:width] for row in rows], dtype=bool)
+    max_draft = 4
+    expected = expected_tokens_from_runs(agreement, max_draft)
+    for b in range(agreement.shape[0]):
+        for gamma in range(max_draft + 1):
+            committed = []
+            for start in range(width):
+                accepted = 0
+                while (
+                    accepted < gamma and start + accepted < width and agreement[b, start + accepted]
+                ):
+                    accepted += 1
+                committed.append(accepted + 1)
+            assert expected[b, gamma] == pytest.approx(np.mean(committed))
+
+
+def test_method_config_merges_same_component_and_replaces_another() -> None:
+    base = DecoderConfig.from_dict(
+        {"planner": {"name": "knapsack", "tau": 0.6}, "max_draft_length": 6}
+    )
+    same = method_config(base, {"planner": {"name": "knapsack", "decoupled": False}})
+    assert same.planner.params.tau == 0.6 and same.planner.params.decoupled is False
+    other = method_config(base, {"planner": {"name": "static", "draft_length": 3}})
+    assert other.planner.name == "static" and other.max_draft_length == 6
+
+
+def test_unknown_method_is_named_and_reference_always_runs() -> None:
+    with pytest.raises(ValueError, match=r"nope.*valid: generate, ar"):
+        select_methods(default_methods(), ["nope"])
+    assert [m.name for m in select_methods(default_methods(), ["knapspec"])] == ["ar", "knapspec"]
+
+
+def test_cli_report_of_missing_run_fails_cleanly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli_main(["report", str(tmp_path / "absent")]) == 1
+    assert "no such run directory" in capsys.readouterr().err
+    assert cli_main(["--list"]) == 0
+    assert "method knapspec-tied" in capsys.readouterr().out
