@@ -24,51 +24,72 @@ from knapspec.planners import AutoregressivePlanner
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--output", type=Path, default=Path("results/engine/engine_vs_generate.jsonl"))
+    parser.add_argument(
+        "--output", type=Path, default=Path("results/engine/engine_vs_generate.jsonl")
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model_and_tokenizer()
     decoder = SpeculativeDecoder(model, planner=AutoregressivePlanner())
     env = environment(model, args.threads)
     args.output.parent.mkdir(parents=True, exist_ok=True)
+    eos = model.generation_config.eos_token_id
+
+    def hf(ids: torch.Tensor) -> tuple[float, torch.Tensor]:
+        """``model.generate`` as users call it (greedy, stops at EOS)."""
+        start = time.perf_counter()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=args.new_tokens,
+            do_sample=False,
+        )
+        return time.perf_counter() - start, out[0, ids.shape[1] :]
+
+    def ours(ids: torch.Tensor) -> tuple[float, torch.Tensor]:
+        start = time.perf_counter()
+        out = decoder.generate(ids, max_new_tokens=args.new_tokens, eos_token_id=eos)
+        return time.perf_counter() - start, out.tokens
+
     rows = []
     for context in args.contexts:
         prompt = long_input_prompt(tokenizer, context, seed=context)
         ids = prompt.unsqueeze(0)
-        attention = torch.ones_like(ids)
 
-        def hf() -> tuple[float, torch.Tensor]:
-            start = time.perf_counter()
-            out = model.generate(
-                ids, attention_mask=attention, max_new_tokens=args.new_tokens, do_sample=False,
-                min_new_tokens=args.new_tokens,
-            )
-            return time.perf_counter() - start, out[0, ids.shape[1]:]
-
-        def ours() -> tuple[float, torch.Tensor]:
-            start = time.perf_counter()
-            out = decoder.generate(ids, max_new_tokens=args.new_tokens)
-            return time.perf_counter() - start, out.tokens
-
-        hf(), ours()  # warm-up
+        hf(ids), ours(ids)  # warm-up
         ratios = []
         for pair in range(args.pairs):
-            t_hf, tok_hf = hf()
-            t_ours, tok_ours = ours()
+            t_hf, tok_hf = hf(ids)
+            t_ours, tok_ours = ours(ids)
             if not torch.equal(tok_hf, tok_ours):
                 raise SystemExit(f"LOSSLESSNESS FAILURE at context {context}: outputs differ")
             ratios.append(t_hf / t_ours)
-            row = {"context": context, "pair": pair, "generate_s": t_hf, "engine_s": t_ours,
-                   "speedup": t_hf / t_ours, "new_tokens": args.new_tokens, **env}
+            row = {
+                "context": context,
+                "pair": pair,
+                "generate_s": t_hf,
+                "engine_s": t_ours,
+                "speedup": t_hf / t_ours,
+                "new_tokens": len(tok_ours),
+                **env,
+            }
             rows.append(row)
-            print(json.dumps({k: row[k] for k in ("context", "pair", "generate_s", "engine_s", "speedup")}))
-        print(f"context {context}: engine/generate speedup median {statistics.median(ratios):.3f} "
-              f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
+            print(
+                json.dumps(
+                    {k: row[k] for k in ("context", "pair", "generate_s", "engine_s", "speedup")}
+                )
+            )
+        print(
+            f"context {context}: engine/generate speedup median {statistics.median(ratios):.3f} "
+            f"(min {min(ratios):.3f}, max {max(ratios):.3f})"
+        )
     with args.output.open("w") as handle:
         for row in rows:
             handle.write(json.dumps(row) + "\n")

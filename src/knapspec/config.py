@@ -29,7 +29,7 @@ import importlib
 import json
 import math
 import pkgutil
-import sys
+import tomllib
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -37,11 +37,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10 has no stdlib TOML reader
-    import tomli as tomllib
 
 from knapspec.costmodels.base import COST_MODELS
 from knapspec.planners.base import PLANNERS

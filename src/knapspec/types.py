@@ -9,12 +9,12 @@ output and point ``k + 1`` is the residual stream after item ``k``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from enum import Enum
+from enum import StrEnum
 
 import attrs
 
 
-class ItemKind(str, Enum):
+class ItemKind(StrEnum):
     """The two kinds of sublayer a decoder layer holds."""
 
     ATTENTION = "attn"

@@ -304,6 +304,7 @@ class _Run:
                 max_draft_length=decoder.max_draft_length,
                 sampling=self.params,
                 round_index=round_index,
+                remaining_tokens=self.max_new_tokens - len(self.output),
             )
             plan = decoder.planner.plan(context)
             stats.plan_time_s += self._now() - plan_start

@@ -363,9 +363,7 @@ def _provision(final: Path, *, progress: bool) -> None:
             "transformers_version": transformers.__version__,
             "torch_version": torch.__version__,
             "python_version": sys.version.split()[0],
-            "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                timespec="seconds"
-            ),
+            "created_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }
         (staging / PROVENANCE_FILENAME).write_text(
             json.dumps(provenance, indent=2, sort_keys=True) + "\n", encoding="utf-8"

@@ -32,6 +32,8 @@ class PlanningContext:
         max_draft_length: D, the largest γ a plan may use.
         sampling: the decoder's sampling parameters (the proxy's α depends on them).
         round_index: speculation rounds done in this generation call.
+        remaining_tokens: tokens still to generate in this call (None = unknown); lets a
+            planner judge whether an expensive search can pay for itself.
     """
 
     engine: SublayerEngine
@@ -43,6 +45,7 @@ class PlanningContext:
     max_draft_length: int
     sampling: SamplingParams
     round_index: int = 0
+    remaining_tokens: int | None = None
 
 
 class Planner(abc.ABC):

@@ -296,6 +296,12 @@ class KnapsackPlanner(Planner):
         tokens = min(config.max_window_tokens, context.window.size)
         if config.max_batch_rows is not None:
             tokens = max(1, min(tokens, config.max_batch_rows // budgets))
+        if (
+            tpt
+            and cost_model is not None
+            and not self._search_affordable(context, cost_model, budgets * tokens)
+        ):
+            return no_speculation(shortcut=False)
         score_fn = context.proxy.score if context.proxy is not None else mean_cosine
         dp = hidden_state_dp(
             engine,
@@ -361,6 +367,25 @@ class KnapsackPlanner(Planner):
             grid,
             0.0,
         )
+
+    def _search_affordable(
+        self, context: PlanningContext, cost_model: CostModel, rows: int
+    ) -> bool:
+        """Whether one DP fits the planning budget of what is left of this generation.
+
+        One DP pass runs every item once over ``rows`` rows (live budgets × window
+        tokens) attending to the context, which costs about a full forward over ``rows``
+        tokens: ``verify_cost(rows, n)``. It is allowed when that is at most
+        ``max_planning_fraction`` of the remaining generation time at plain-decoding speed,
+        so a short generation at long context never pays for a search it cannot recoup.
+        """
+        fraction = self.config.max_planning_fraction
+        if fraction is None or context.remaining_tokens is None:
+            return True
+        n = context.context_length
+        predicted = cost_model.verify_cost(rows, n)
+        remaining = context.remaining_tokens * cost_model.step_cost(n)
+        return predicted <= fraction * remaining
 
     def _acceptance(
         self, context: PlanningContext, dp: HiddenStateDPResult, candidates: tuple[int, ...]

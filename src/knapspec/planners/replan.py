@@ -19,7 +19,7 @@ The amortised planning share therefore stays near ``f`` whatever one DP costs.
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 import attrs
@@ -64,7 +64,7 @@ class ReplanConfig:
     max_planning_fraction: float | None = attrs.field(default=0.05, validator=_fraction)
 
 
-class ReplanReason(str, Enum):
+class ReplanReason(StrEnum):
     """Why a re-plan was requested (kept in the planner's stats)."""
 
     INITIAL = "initial"
