@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.tiny_models import greedy_reference, tiny_model
 
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.integrations.hf import make_custom_generate
 from knapspec.planners import StaticPlanner
 from knapspec.sampling import SamplingParams
 from knapspec.types import SublayerMask
-from tests.tiny_models import greedy_reference, tiny_model
 
 
 def _decoder() -> SpeculativeDecoder:
