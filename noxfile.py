@@ -52,8 +52,8 @@ def proofs(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check."""
     session.install("ruff")
-    session.run("ruff", "check", "src", "tests", "benchmarks", "noxfile.py")
-    session.run("ruff", "format", "--check", "src", "tests", "benchmarks", "noxfile.py")
+    session.run("ruff", "check", "src", "tests", "benchmarks", "docs", "noxfile.py")
+    session.run("ruff", "format", "--check", "src", "tests", "benchmarks", "docs", "noxfile.py")
 
 
 @nox.session(python=PYTHON)
@@ -61,6 +61,15 @@ def typecheck(session: nox.Session) -> None:
     """mypy --strict on the library."""
     _install(session, "dev")
     session.run("mypy", "src/knapspec")
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """Regenerate and check the API reference and picture; run every docs example."""
+    _install(session, "test")
+    session.run("python", "docs/make_api.py", "--check")
+    session.run("python", "docs/make_architecture_png.py")
+    session.run("python", "-m", "pytest", "-q", "tests/test_docs.py", env={"HF_HUB_OFFLINE": "1"})
 
 
 @nox.session(python=PYTHON)

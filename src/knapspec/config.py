@@ -29,6 +29,7 @@ import importlib
 import json
 import math
 import pkgutil
+import sys
 import tomllib
 import types
 import typing
@@ -100,7 +101,8 @@ _TYPE_HINTS: dict[type, dict[str, Any]] = {}
 def _type_hints(cls: type) -> dict[str, Any]:
     """Resolved annotations of an attrs class (they are strings under PEP 563), cached."""
     if cls not in _TYPE_HINTS:
-        module = importlib.import_module(cls.__module__)
+        # sys.modules first: a component defined in a file loaded by path is not importable.
+        module = sys.modules.get(cls.__module__) or importlib.import_module(cls.__module__)
         try:
             _TYPE_HINTS[cls] = typing.get_type_hints(cls, globalns=vars(module))
         except Exception:  # an annotation we cannot resolve: skip type checks for this class

@@ -177,9 +177,9 @@ def ablation_methods(profile_path: Path | None) -> tuple[MethodSpec, ...]:
             description="planned once per call, never re-planned",
         ),
         MethodSpec(
-            "knapspec-montecarlo",
-            {"proxy": {"name": "montecarlo"}},
-            description="Monte-Carlo acceptance proxy instead of cosine",
+            "knapspec-cosine",
+            {"proxy": {"name": "cosine"}},
+            description="cosine proxy (top-1 agreement, Lemma 4.1 floor) instead of Monte-Carlo",
         ),
         MethodSpec(
             "knapspec-no-fallback",
