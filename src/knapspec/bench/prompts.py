@@ -73,9 +73,22 @@ def long_input_prompt(tokenizer: Any, num_tokens: int, seed: int = 0) -> torch.T
     return chat_prompt(tokenizer, SUMMARISE, passage(tokenizer, num_tokens, seed))
 
 
+#: Tokens of the passage's opening written into the assistant's turn of a copy prompt.
+COPY_PRIMER_TOKENS = 24
+
+
 def copy_prompt(tokenizer: Any, num_tokens: int, seed: int = 0) -> torch.Tensor:
-    """Copy-heavy: reproduce a passage word for word."""
-    return chat_prompt(tokenizer, COPY, passage(tokenizer, num_tokens, seed))
+    """Copy-heavy: reproduce a passage word for word.
+
+    The assistant's turn is opened with the passage's first ``COPY_PRIMER_TOKENS`` tokens,
+    so even a 135M model, which otherwise loses the instruction after a few thousand
+    tokens, continues by copying the passage (the copy-heavy regime where deep drafts
+    still agree with the target).
+    """
+    text = passage(tokenizer, num_tokens, seed)
+    prompt = chat_prompt(tokenizer, COPY, text)
+    primer = tokenizer(text, add_special_tokens=False)["input_ids"][:COPY_PRIMER_TOKENS]
+    return torch.cat([prompt, torch.tensor(primer, dtype=torch.long)])
 
 
 LONG_GENERATION_TOPICS = (

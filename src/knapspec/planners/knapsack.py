@@ -78,10 +78,14 @@ class KnapsackPlannerConfig:
     Attributes:
         tau: DP pruning threshold τ on the value (cosine); None disables pruning.
         budget_fraction: the half-budget bound — skip at most this fraction of the weight.
-        max_budget: an absolute cap on the skipped weight (None: only the fraction).
+        max_budget: an absolute cap on the skipped weight (None: only the fraction). The
+            default 16 bounds the DP's batch: on small models acceptance collapses long
+            before half the weight is skipped (SmolLM2: α ≈ 0.5-0.7 at 10 items).
         max_window_tokens: the DP uses at most the last this-many window tokens.
         max_batch_rows: bound on ``live budgets × window tokens`` per batched item call; the
-            window is shortened (down to one token) to respect it. None: no bound.
+            window is shortened (down to one token) to respect it. None: no bound. One DP
+            costs about a full forward over this many tokens; 48 keeps it near 3-5 decode
+            steps on a 2-core CPU, so it fits the planning budget of a 128-token answer.
         decoupled: attention and MLP are separate items (KnapSpec); False ties each layer
             into one item (the ablation, CLaSp-like structure with KnapSpec's costs).
         objective: ``"tpt"`` (tokens per second, needs a cost model) or ``"tpl"`` (DEL's
@@ -98,10 +102,10 @@ class KnapsackPlannerConfig:
     tau: float | None = attrs.field(default=0.5, validator=_probability)
     budget_fraction: float = attrs.field(default=0.5, validator=_unit_interval)
     max_budget: int | None = attrs.field(
-        default=None, validator=attrs.validators.optional(attrs.validators.ge(0))
+        default=16, validator=attrs.validators.optional(attrs.validators.ge(0))
     )
     max_window_tokens: int = attrs.field(default=4, validator=attrs.validators.ge(1))
-    max_batch_rows: int | None = attrs.field(default=128, validator=_optional_ge1)
+    max_batch_rows: int | None = attrs.field(default=48, validator=_optional_ge1)
     decoupled: bool = True
     objective: Objective = attrs.field(
         default="tpt", validator=attrs.validators.in_(("tpt", "tpl"))
