@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests.tiny_models import FAMILIES, greedy_reference, tiny_model
 from transformers.generation.streamers import BaseStreamer
@@ -12,7 +12,13 @@ from transformers.generation.streamers import BaseStreamer
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.decoding.verify import NonFiniteLogitsError
 from knapspec.model import ContextLengthError, SublayerEngine
-from knapspec.planners import AutoregressivePlanner, Planner, PlanningContext, StaticPlanner
+from knapspec.planners import (
+    PLANNERS,
+    AutoregressivePlanner,
+    Planner,
+    PlanningContext,
+    StaticPlanner,
+)
 from knapspec.types import DraftPlan, StepOutcome, SublayerMask
 
 NEW_TOKENS = 24
@@ -246,3 +252,17 @@ def test_stats_are_consistent_and_serialisable() -> None:
     assert stats.plans and stats.plans[0].draft_length == 3
     assert "tok/s" in stats.summary()
     assert isinstance(stats.to_json(), str)
+
+
+@pytest.mark.parametrize("planner_name", sorted(PLANNERS.names()))
+@settings(max_examples=4)
+@given(seed=st.integers(0, 10_000), prompt_length=st.integers(4, 24))
+def test_every_registered_planner_is_lossless(
+    planner_name: str, seed: int, prompt_length: int
+) -> None:
+    """Each planner built from its default config, on a model deep enough for real plans."""
+    model = tiny_model("llama", num_layers=10)  # deeper than early-exit's default exit layer
+    decoder = SpeculativeDecoder.from_config(model, {"planner": {"name": planner_name}})
+    prompt = _prompt(seed, prompt_length)
+    result = decoder.generate(prompt, max_new_tokens=NEW_TOKENS)
+    assert torch.equal(result.tokens, greedy_reference(model, prompt, NEW_TOKENS))
