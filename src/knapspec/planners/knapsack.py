@@ -302,6 +302,7 @@ class KnapsackPlanner(Planner):
             tokens = max(1, min(tokens, config.max_batch_rows // budgets))
         if (
             tpt
+            and config.allow_no_speculation
             and cost_model is not None
             and not self._search_affordable(context, cost_model, budgets * tokens)
         ):
