@@ -16,6 +16,9 @@ settings.register_profile(
 settings.register_profile(
     "ci", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+settings.register_profile(
+    "thorough", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
