@@ -385,11 +385,12 @@ class _Run:
             logits = out.logits[0]
             check_finite(logits, "drafting")
             token, q = self._choose(logits)
-            if q is None:
-                confidence = float(torch.softmax(logits, dim=-1).max())
-            else:
-                confidence = float(q.max())
+            if q is not None:
                 probs.append(q)
+            # The draft's top-1 probability; skipped when early exit is off (τ_conf = 0).
+            confidence = 1.0
+            if threshold > 0:
+                confidence = float(q.max() if q is not None else torch.softmax(logits, -1).max())
             drafts.append(token)
             elapsed = self._now() - step_start
             total += elapsed
