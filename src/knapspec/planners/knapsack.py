@@ -66,6 +66,11 @@ def _unit_interval(instance: object, attribute: attrs.Attribute[float], value: f
         raise ValueError(f"{attribute.name} must be in [0, 1], got {value}")
 
 
+def _optional_ge0(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0 or None, got {value}")
+
+
 def _optional_ge1(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None and value < 1:
         raise ValueError(f"{attribute.name} must be >= 1 or None, got {value}")
@@ -101,9 +106,7 @@ class KnapsackPlannerConfig:
 
     tau: float | None = attrs.field(default=0.5, validator=_probability)
     budget_fraction: float = attrs.field(default=0.5, validator=_unit_interval)
-    max_budget: int | None = attrs.field(
-        default=16, validator=attrs.validators.optional(attrs.validators.ge(0))
-    )
+    max_budget: int | None = attrs.field(default=16, validator=_optional_ge0)
     max_window_tokens: int = attrs.field(default=4, validator=attrs.validators.ge(1))
     max_batch_rows: int | None = attrs.field(default=48, validator=_optional_ge1)
     decoupled: bool = True
