@@ -276,3 +276,23 @@ def test_falling_acceptance_falls_back_to_plain_steps_within_the_time_budget() -
     planner.update(bad)
     fallback = planner.plan(context)
     assert fallback.draft_length == 0 and planner.plans_made == 1  # no new search
+
+
+def test_a_draft_that_skips_nothing_is_never_chosen() -> None:
+    """Even a cost model that prices a full-model draft step far below a plain step (as a
+    profile taken under load can) must not make the planner 'speculate' with the target
+    itself: that draft costs a full step per token whatever the model says."""
+
+    class CheapDrafts(AnalyticCostModel):
+        def verify_cost(self, tokens: int, context_length: int) -> float:
+            return 50.0 + 0.1 * tokens  # a step costs far more than its items add up to
+
+    context = context_for(cost=CHEAP_VERIFY)
+    context = attrs.evolve(context, cost_model=CheapDrafts(CHEAP_VERIFY, 4))
+    planner = KnapsackPlanner.from_config(KnapsackPlannerConfig(tau=None), context.engine)
+    plan = planner.plan(context)
+    assert plan.draft_length == 0 or plan.mask.num_skipped > 0
+    search = planner.last_search_
+    assert search is not None and search.dp is not None
+    assert any(mask.num_skipped == 0 for mask in search.dp.masks)  # budget 0 was reachable
+    assert all(search.dp.masks[i].num_skipped > 0 for i in search.candidates)

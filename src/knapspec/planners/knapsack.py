@@ -330,7 +330,9 @@ class KnapsackPlanner(Planner):
             costs = RoundCosts.from_cost_model(cost_model, dp.masks, n, max_draft, planning)
         else:
             costs = RoundCosts.layer_counting(dp.masks, max_draft)
-        keep = np.ones(dp.num_candidates, dtype=bool)
+        # A draft that skips nothing is the target itself: it costs a full step per token,
+        # so it can never beat plain decoding whatever a miscalibrated cost model says.
+        keep = np.array([mask.num_skipped > 0 for mask in dp.masks], dtype=bool)
         if config.allow_no_speculation:
             keep &= _can_pay_at_perfect_acceptance(costs)
         if config.pareto_candidates:
