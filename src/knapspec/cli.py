@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--max-new-tokens",
         metavar="N",
-        type=_positive_int,
+        type=positive_int,
         default=128,
         help="generate at most N new tokens (stops earlier at end-of-sequence). "
         "Default: %(default)s.",
@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--window-tokens",
         metavar="N",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="reference-window size in prompt tokens. Default: the config's "
         "window_max_tokens (capped by the prompt length).",
@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: a positive integer (shared by every subcommand)."""
     try:
         value = int(text)
     except ValueError:

@@ -24,20 +24,11 @@ from knapspec.bench.records import LosslessnessError
 from knapspec.bench.report import ReportError, write_report
 from knapspec.bench.runner import BenchOptions, command_line, run_benchmark
 from knapspec.bench.scenarios import default_scenarios, select_scenarios
+from knapspec.cli import positive_int
 from knapspec.config import ConfigError, DecoderConfig, apply_overrides, load_config
 
 PROG = "knapspec bench"
 QUICK_ORACLE = OracleOptions(sizes=(1, 2, 4), families=FAMILIES, repeats=2, max_tokens=16)
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def run_parser() -> argparse.ArgumentParser:
@@ -75,24 +66,24 @@ def run_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--contexts",
         nargs="+",
-        type=_positive,
+        type=positive_int,
         metavar="N",
         help="override the prompt lengths of the long-input style scenarios",
     )
     parser.add_argument(
-        "--new-tokens", type=_positive, metavar="T", help="override every scenario's new tokens"
+        "--new-tokens", type=positive_int, metavar="T", help="override every scenario's new tokens"
     )
     parser.add_argument(
         "--prompts",
-        type=_positive,
+        type=positive_int,
         help="prompts per scenario and length (default: 2; 1 with --quick)",
     )
     parser.add_argument(
-        "--pairs", type=_positive, help="pair rounds per prompt (default: 3; 1 with --quick)"
+        "--pairs", type=positive_int, help="pair rounds per prompt (default: 3; 1 with --quick)"
     )
     parser.add_argument(
         "--threads",
-        type=_positive,
+        type=positive_int,
         default=2,
         help="torch threads for the whole run. Default: %(default)s.",
     )

@@ -18,7 +18,11 @@ from knapspec.proxies.lemma import (
     lemma_states,
     reference_margins,
 )
-from knapspec.proxies.validation import check_score_inputs, check_window_inputs
+from knapspec.proxies.validation import (
+    check_score_inputs,
+    check_window_inputs,
+    open_unit_interval,
+)
 from knapspec.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -26,11 +30,6 @@ if TYPE_CHECKING:
     from knapspec.window import ReferenceWindow
 
 AcceptanceMode = Literal["agreement", "certified", "certified-exact"]
-
-
-def _open_unit(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not 0.0 < value < 1.0:
-        raise ValueError(f"{attribute.name} must be in (0, 1), got {value}")
 
 
 @attrs.frozen
@@ -59,7 +58,7 @@ class CosineProxyConfig:
     space: LemmaSpace = attrs.field(
         default="folded", validator=attrs.validators.in_(("folded", "normed"))
     )
-    confidence: float = attrs.field(default=0.95, validator=_open_unit)
+    confidence: float = attrs.field(default=0.95, validator=open_unit_interval)
 
 
 def mean_cosine(reference: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,12 @@ import torch
 from knapspec.proxies.base import PROXIES, AcceptanceEstimate, ValueProxy
 from knapspec.proxies.cosine import mean_cosine
 from knapspec.proxies.intervals import mean_interval, wilson_interval
-from knapspec.proxies.validation import check_finite, check_score_inputs, check_window_inputs
+from knapspec.proxies.validation import (
+    check_finite,
+    check_score_inputs,
+    check_window_inputs,
+    open_unit_interval,
+)
 from knapspec.sampling import SamplingParams, processed_probs
 
 if TYPE_CHECKING:
@@ -41,11 +46,6 @@ def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.minimum(p, q).sum(dim=-1).clamp(0.0, 1.0)
 
 
-def _open_unit(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not 0.0 < value < 1.0:
-        raise ValueError(f"{attribute.name} must be in (0, 1), got {value}")
-
-
 @attrs.frozen
 class MonteCarloProxyConfig:
     """Hyper-parameters of :class:`MonteCarloAcceptanceProxy`.
@@ -65,7 +65,7 @@ class MonteCarloProxyConfig:
     score: ScoreMode = attrs.field(
         default="cosine", validator=attrs.validators.in_(("cosine", "neg-kl"))
     )
-    confidence: float = attrs.field(default=0.95, validator=_open_unit)
+    confidence: float = attrs.field(default=0.95, validator=open_unit_interval)
 
 
 @PROXIES.register("montecarlo")

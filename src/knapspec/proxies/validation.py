@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     from knapspec.model.engine import SublayerEngine
     from knapspec.window import ReferenceWindow
+
+
+def open_unit_interval(instance: object, attribute: Any, value: float) -> None:
+    """attrs validator: ``value`` in the open interval (0, 1) (confidence levels)."""
+    if not 0.0 < value < 1.0:
+        raise ValueError(f"{attribute.name} must be in (0, 1), got {value}")
 
 
 def check_finite(name: str, tensor: torch.Tensor) -> None:
