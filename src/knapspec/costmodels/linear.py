@@ -6,16 +6,22 @@ From a :class:`~knapspec.costmodels.profile.LatencyProfile`, by non-negative lea
 * ``t_attn(n, i) = a_i + b_i·n`` per layer ``i`` (or one pooled ``a + b·n``);
 * ``t_mlp(i) = c_i``, the median over the ladder (or the pooled median);
 * ``overhead = o``, the median step time with no item;
-* ``t_verify(k, n) = v0 + v1·k + v2·n + v3·k·n`` for a full forward over ``k`` tokens.
+* ``t_verify(k, n) = A_k + B_k·n`` for a full forward over ``k`` tokens: one line in the
+  context per verification width ``k`` (see :func:`fit_verify_law`).
 
-The verify law is measured, not assumed: the paper prices verification as one target step
-(``L·(t_attn + t_mlp)`` for any ``k``), which holds on a GPU but not on a CPU, where
-verifying 8 tokens costs 1.6-2x one step (../shared/models.md).
+The verify law is measured, not assumed. The paper prices verification as one target step
+(``L·(t_attn + t_mlp)`` for any ``k``), which holds on a GPU but not on a CPU. Nor is the
+cost linear in ``k`` there: BLAS processes the rows of the few-row linear kernel
+(:mod:`knapspec.model.kernels`) in blocks of 4, so ``t(k)/t(1)`` at 512 tokens was measured
+as a staircase (about 1.00, 1.05, 1.10, 1.10, 1.5, 1.75, 2.0, 2.0, 2.3, 2.7, 3.0 for
+k = 1..11). A line in ``k`` overprices ``k <= 4`` and underprices ``k = 5..8``, which sends
+the planner's tokens-per-time search to the wrong draft length; one line per width cannot.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -24,7 +30,7 @@ from numpy.typing import NDArray
 from sklearn.linear_model import LinearRegression
 
 from knapspec.costmodels.base import COST_MODELS, CostModel
-from knapspec.costmodels.profile import LatencyProfile, ProfileError
+from knapspec.costmodels.profile import LatencyProfile, ProfileError, VerifyTiming
 from knapspec.types import SublayerMask
 
 if TYPE_CHECKING:
@@ -32,6 +38,41 @@ if TYPE_CHECKING:
 
 #: Smallest time any prediction may return (the knapsack weights divide by item times).
 MIN_SECONDS = 1e-7
+
+
+def verify_line(
+    intercepts: Sequence[float], slopes: Sequence[float], tokens: int
+) -> tuple[float, float]:
+    """``(A_k, B_k)`` of width ``k = tokens`` from a per-width table over widths ``1..K``.
+
+    Args:
+        intercepts, slopes: ``(K,)`` ``A_1..A_K`` (seconds) and ``B_1..B_K`` (s/token).
+        tokens: the width ``k >= 1``.
+
+    Beyond the table (``k > K``) each coefficient is extrapolated with the step between the
+    last two widths, never downward: ``A_k = A_K + (k-K)·max(A_K - A_{K-1}, 0)`` and the
+    same for ``B``. The result is again a line in ``n``, and it lies on or above width
+    ``K``'s line at every context: a wider verification never costs less than a narrower
+    one, even when the last two measurements came out the wrong way round.
+    """
+    width = len(intercepts)
+    if tokens <= width:
+        return float(intercepts[tokens - 1]), float(slopes[tokens - 1])
+    a, b = float(intercepts[-1]), float(slopes[-1])
+    if width == 1:
+        return a, b
+    extra = tokens - width
+    return (
+        a + extra * max(a - float(intercepts[-2]), 0.0),
+        b + extra * max(b - float(slopes[-2]), 0.0),
+    )
+
+
+def _verify_pairs(value: Any) -> tuple[tuple[float, float], ...]:
+    pairs = tuple((float(a), float(b)) for a, b in value)
+    if not pairs:
+        raise ValueError("verify needs the line of at least width 1")
+    return pairs
 
 
 @attrs.frozen
@@ -42,27 +83,46 @@ class LinearCoefficients:
         overhead: per-step time with no item.
         attn_intercept, attn_slope: ``t_attn(n) = attn_intercept + attn_slope·n``.
         mlp: ``t_mlp``.
-        verify: ``(v0, v1, v2, v3)`` of ``t_verify(k, n) = v0 + v1·k + v2·n + v3·k·n``.
+        verify: ``K`` pairs ``(A_k, B_k)`` for widths ``k = 1..K``:
+            ``t_verify(k, n) = A_k + B_k·n`` (wider widths: :func:`verify_line`).
     """
 
     overhead: float
     attn_intercept: float
     attn_slope: float
     mlp: float
-    verify: tuple[float, float, float, float]
+    verify: tuple[tuple[float, float], ...] = attrs.field(converter=_verify_pairs)
+
+    @property
+    def max_width(self) -> int:
+        """``K``, the widest verification with its own line."""
+        return len(self.verify)
+
+    def verify_seconds(self, tokens: int, context_length: int) -> float:
+        """``t_verify(tokens, context_length)`` of this law (no floor)."""
+        if tokens < 1:
+            raise ValueError(f"verification needs tokens >= 1, got {tokens}")
+        intercepts = [a for a, _ in self.verify]
+        slopes = [b for _, b in self.verify]
+        a, b = verify_line(intercepts, slopes, tokens)
+        return a + b * context_length
 
     def as_array(self) -> NDArray[np.float64]:
-        """``(8,)``: overhead, attn_intercept, attn_slope, mlp, v0..v3."""
+        """``(4 + 2K,)``: overhead, attn_intercept, attn_slope, mlp, A_1, B_1, ..., A_K, B_K."""
         return np.array(
-            [self.overhead, self.attn_intercept, self.attn_slope, self.mlp, *self.verify]
+            [
+                self.overhead,
+                self.attn_intercept,
+                self.attn_slope,
+                self.mlp,
+                *(x for pair in self.verify for x in pair),
+            ]
         )
 
 
-def verify_features(
-    tokens: NDArray[np.float64], contexts: NDArray[np.float64]
-) -> NDArray[np.float64]:
-    """Design matrix ``(m, 4)`` of the verify law: ``[1, k, n, k·n]``."""
-    return np.stack([np.ones_like(tokens), tokens, contexts, tokens * contexts], axis=1)
+def verify_features(contexts: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Design matrix ``(m, 2)`` of one width's verify line: ``[1, n]``."""
+    return np.stack([np.ones_like(contexts), contexts], axis=1)
 
 
 def _lstsq(design: NDArray[np.float64], target: NDArray[np.float64]) -> NDArray[np.float64]:
@@ -77,6 +137,75 @@ def _lstsq(design: NDArray[np.float64], target: NDArray[np.float64]) -> NDArray[
     regression = LinearRegression(fit_intercept=False, positive=True)
     columns = [regression.fit(design, column).coef_.copy() for column in target.T]
     return np.stack(columns, axis=1).astype(np.float64)
+
+
+def fit_verify_law(
+    timings: Sequence[VerifyTiming],
+) -> tuple[NDArray[np.float64], tuple[int, ...]]:
+    """Per-width verify lines ``t_verify(k, n) = A_k + B_k·n`` from measured forwards.
+
+    * A width measured at >= 2 contexts gets its own non-negative least-squares line.
+    * A width measured at one context only keeps its measured time there and borrows the
+      slope ``B`` of the widths that have lines (linearly interpolated in ``k``, the
+      nearest one beyond them): attention over the context grows with ``k`` too, so a slope
+      of 0 would misprice it at every other context. The slope is lowered where needed to
+      keep ``A_k >= 0``.
+    * A width between two measured widths is interpolated linearly in ``k`` (each
+      coefficient, so each prediction lies between its neighbours' at every context).
+    * A width below the narrowest measured one gets that width's line: the cost does not
+      fall with ``k``, so this is an upper bound (profiles always measure ``k = 1``).
+
+    Args:
+        timings: the profile's verification forwards (any order, repeats allowed).
+
+    Returns:
+        ``table`` ``(K, 2)`` with row ``k - 1 = (A_k, B_k)`` for ``k = 1..K``, ``K`` the
+        widest measured width (wider: :func:`verify_line`), and the measured widths.
+
+    Raises:
+        ProfileError: fewer than two widths, or no width measured at two contexts.
+    """
+    by_width: dict[int, list[tuple[float, float]]] = {}
+    for timing in timings:
+        by_width.setdefault(int(timing.tokens), []).append(
+            (float(timing.context_length), float(timing.seconds))
+        )
+    widths = sorted(by_width)
+    contexts_of = {k: {n for n, _ in by_width[k]} for k in widths}
+    if len(widths) < 2:
+        raise ProfileError(
+            "fitting t_verify(k, n) needs verification timings at >= 2 token counts; the "
+            f"profile has k in {widths}"
+        )
+    lined = [k for k in widths if len(contexts_of[k]) >= 2]
+    if not lined:
+        raise ProfileError(
+            "fitting t_verify(k, n) = A_k + B_k·n needs some width k timed at >= 2 contexts; "
+            "the profile has "
+            + ", ".join(f"k={k} at n in {sorted(contexts_of[k])}" for k in widths)
+        )
+    lines: dict[int, tuple[float, float]] = {}
+    for k in lined:
+        points = np.array(by_width[k])  # (m, 2): context, seconds
+        a, b = _lstsq(verify_features(points[:, 0]), points[:, 1])
+        lines[k] = (float(a), float(b))
+    lined_slopes = np.array([lines[k][1] for k in lined])
+    for k in widths:
+        if k in lines:
+            continue
+        points = np.array(by_width[k])
+        context, seconds = float(points[:, 0].mean()), float(points[:, 1].mean())
+        slope = float(np.interp(k, lined, lined_slopes))
+        if context > 0:
+            slope = min(slope, seconds / context)  # A_k = seconds - slope·context >= 0
+        lines[k] = (seconds - slope * context, slope)
+    table = np.array([lines[k] for k in widths])  # (W, 2) at the measured widths
+    every = np.arange(1, widths[-1] + 1)
+    # Below the narrowest measured width np.interp holds its values: the flat rule above.
+    full = np.stack([np.interp(every, widths, table[:, j]) for j in range(2)], axis=1)
+    for k in widths:  # exact measured lines, not re-interpolated ones
+        full[k - 1] = lines[k]
+    return full.astype(np.float64), tuple(widths)
 
 
 def _check_positive(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -116,7 +245,10 @@ class FittedLinearCostModel(CostModel):
         attn_intercept, attn_slope: ``(L,)`` per-layer ``a_i``, ``b_i`` (seconds, s/token).
         mlp: ``(L,)`` per-layer MLP time.
         overhead_s: per-step overhead.
-        verify_coef: ``(4,)`` ``v0..v3`` of the verify law.
+        verify_coef: ``(K, 2)`` row ``k - 1 = (A_k, B_k)``: ``t_verify(k, n) = A_k + B_k·n``
+            for widths ``k = 1..K`` (wider: :func:`verify_line`).
+        verify_intercept, verify_slope: ``(K,)`` views of its columns.
+        verify_widths: the widths that were measured (the others are interpolated).
         item_floor: no item is predicted faster than this (half the fastest measured item),
             so a line fitted to noisy points cannot drive a knapsack weight to infinity.
     """
@@ -134,7 +266,14 @@ class FittedLinearCostModel(CostModel):
         verify_coef: NDArray[np.float64],
         pooled: bool,
         item_floor: float = MIN_SECONDS,
+        verify_widths: Sequence[int] | None = None,
     ) -> None:
+        verify_coef = np.asarray(verify_coef, dtype=np.float64)
+        if verify_coef.ndim != 2 or verify_coef.shape[1] != 2 or len(verify_coef) < 1:
+            raise ValueError(
+                f"verify_coef must be (K, 2) rows (A_k, B_k) for widths 1..K, got shape "
+                f"{verify_coef.shape}"
+            )
         self.profile = profile
         self.pooled = pooled
         self.attn_intercept = attn_intercept
@@ -142,6 +281,14 @@ class FittedLinearCostModel(CostModel):
         self.mlp = mlp
         self.overhead_s = overhead
         self.verify_coef = verify_coef
+        self.verify_intercept = verify_coef[:, 0]
+        self.verify_slope = verify_coef[:, 1]
+        self.verify_widths = tuple(
+            range(1, len(verify_coef) + 1) if verify_widths is None else verify_widths
+        )
+        # Plain floats for the planner's per-round verify_cost(k, n) for k = 1..D+1.
+        self._verify_a = [float(a) for a in self.verify_intercept]
+        self._verify_b = [float(b) for b in self.verify_slope]
         self.num_layers = len(mlp)
         self.item_floor = max(item_floor, MIN_SECONDS)
         # Plain floats: a draft step's cost is then O(L) arithmetic with no numpy calls.
@@ -162,7 +309,8 @@ class FittedLinearCostModel(CostModel):
 
         Raises:
             ProfileError: the profile cannot identify the coefficients (fewer than two
-                item contexts, or a verify grid without two widths and two contexts).
+                item contexts, fewer than two verify widths, or no verify width timed at
+                two contexts; see :func:`fit_verify_law`).
         """
         contexts = np.asarray(profile.contexts, dtype=np.float64)
         if len(contexts) < 2:
@@ -186,16 +334,7 @@ class FittedLinearCostModel(CostModel):
             intercept, slope = coef[0].copy(), coef[1].copy()
             mlp = np.median(mlp_table, axis=1)
 
-        tokens = np.array([t.tokens for t in profile.verify], dtype=np.float64)
-        verify_contexts = np.array([t.context_length for t in profile.verify], dtype=np.float64)
-        seconds = np.array([t.seconds for t in profile.verify], dtype=np.float64)
-        if len(set(tokens.tolist())) < 2 or len(set(verify_contexts.tolist())) < 2:
-            raise ProfileError(
-                "fitting t_verify(k, n) needs verification timings at >= 2 token counts and "
-                f">= 2 contexts; the profile has k in {sorted(set(tokens.tolist()))} and n in "
-                f"{sorted(set(verify_contexts.tolist()))}"
-            )
-        verify_coef = _lstsq(verify_features(tokens, verify_contexts), seconds)
+        verify_coef, verify_widths = fit_verify_law(profile.verify)
         overhead = float(np.median(profile.overhead_seconds))
         item_floor = 0.5 * float(min(attention.min(), mlp_table.min()))
         return cls(
@@ -207,6 +346,7 @@ class FittedLinearCostModel(CostModel):
             verify_coef=verify_coef,
             pooled=pooled,
             item_floor=item_floor,
+            verify_widths=verify_widths,
         )
 
     @classmethod
@@ -249,9 +389,14 @@ class FittedLinearCostModel(CostModel):
     def verify_cost(self, tokens: int, context_length: int) -> float:
         if tokens < 1:
             raise ValueError(f"verification needs tokens >= 1, got {tokens}")
-        v0, v1, v2, v3 = self.verify_coef
-        value = v0 + v1 * tokens + v2 * context_length + v3 * tokens * context_length
-        return max(float(value), MIN_SECONDS)
+        a, b = verify_line(self._verify_a, self._verify_b, tokens)
+        return max(a + b * context_length, MIN_SECONDS)
+
+    def verify_law(self, tokens: int) -> tuple[float, float]:
+        """``(A_k, B_k)`` of ``t_verify(k, n) = A_k + B_k·n`` for ``k = tokens`` (seconds)."""
+        if tokens < 1:
+            raise ValueError(f"verification needs tokens >= 1, got {tokens}")
+        return verify_line(self._verify_a, self._verify_b, tokens)
 
     def draft_cost(self, mask: SublayerMask, context_length: int) -> float:
         # Same sum as CostModel.draft_cost, without 2L method calls: the online model calls
@@ -269,13 +414,12 @@ class FittedLinearCostModel(CostModel):
 
     def coefficients(self) -> LinearCoefficients:
         """The layer-averaged coefficients (what the online model adapts)."""
-        v0, v1, v2, v3 = (float(x) for x in self.verify_coef)
         return LinearCoefficients(
             overhead=self.overhead_s,
             attn_intercept=self._mean_attn_intercept,
             attn_slope=self._mean_attn_slope,
             mlp=self._mean_mlp,
-            verify=(v0, v1, v2, v3),
+            verify=tuple(zip(self._verify_a, self._verify_b, strict=True)),
         )
 
     def __repr__(self) -> str:
@@ -283,7 +427,8 @@ class FittedLinearCostModel(CostModel):
         return (
             f"{type(self).__name__}(layers={self.num_layers}, pooled={self.pooled}, "
             f"t_attn(n)={c.attn_intercept * 1e3:.3f}ms+{c.attn_slope * 1e6:.4f}us·n, "
-            f"t_mlp={c.mlp * 1e3:.3f}ms, overhead={c.overhead * 1e3:.3f}ms)"
+            f"t_mlp={c.mlp * 1e3:.3f}ms, overhead={c.overhead * 1e3:.3f}ms, "
+            f"verify widths 1..{c.max_width} from measured {list(self.verify_widths)})"
         )
 
 
@@ -292,5 +437,7 @@ __all__ = [
     "FittedLinearCostModel",
     "FittedLinearCostModelConfig",
     "LinearCoefficients",
+    "fit_verify_law",
     "verify_features",
+    "verify_line",
 ]

@@ -7,23 +7,30 @@ that is linear in the same features:
 * draft step with mask ``S`` at context ``n``:
   ``Δt = Δo + Δa·n_attn(S) + Δb·n_attn(S)·n + Δc·n_mlp(S)``, i.e. a shift of the
   overhead, of every attention item's intercept and slope, and of every MLP item;
-* verify step over ``k`` tokens: ``Δt = Δv0 + Δv1·k + Δv2·n + Δv3·k·n``.
+* verify step over ``k`` tokens: ``Δt = ΔA_k + ΔB_k·n``, one line per width ``k`` like the
+  prior's (the cost is a staircase in ``k``, see :mod:`knapspec.costmodels.linear`). In
+  one regression this is the one-hot design ``[e_k, e_k·n]``; since an observation of
+  width ``k`` only touches width ``k``'s block, each width has its own 2-feature
+  regression, and a width never observed keeps its prior.
 
 When the machine's speed drifts, or the cache differs from the profiled one, the true law
 moves and the correction follows it: recursive least squares with exponential forgetting
-(factor ``λ``; memory about ``1/(1-λ)`` observations). Observations more than
+(factor ``λ``; memory about ``1/(1-λ)`` observations of each kind). Forgetting counts
+verify observations of *every* width, as the one-hot regression would: a width's old
+timings fade with time, not with how often that width happens to be chosen (see
+:meth:`RecursiveLeastSquares.forget`). Observations more than
 ``outlier_ratio`` times off the current prediction (a page fault, another process taking
 the cores) are skipped, unless ``outlier_patience`` arrive in a row, which means the law
 itself changed; an accepted observation's error is clipped to ``innovation_clip`` times the
 prediction (a Huber-like bound: one noisy step cannot swing the model), except after such
-a streak. The covariance trace is capped (at 100x its initial value) so that forgetting
-cannot blow up directions the decoder never excites (e.g. ``Δa`` vs ``Δo`` when every
-draft uses the same mask).
+a streak. The covariance trace is capped (at 100x its initial value; per width for verify)
+so that forgetting cannot blow up directions the decoder never excites (e.g. ``Δa`` vs
+``Δo`` when every draft uses the same mask, or a width it stopped using).
 
 Why not ``SGDRegressor.partial_fit``: it needs feature scaling and a learning-rate
 schedule to converge on these ill-conditioned features, and one call costs tens of
-microseconds of validation; the RLS update below is a handful of 4x4 numpy operations
-(measured in ``benchmarks/costmodel_accuracy.py``).
+microseconds of validation; the RLS update below is a handful of 4x4 (draft) or 2x2
+(verify) numpy operations (measured in ``benchmarks/costmodel_accuracy.py``).
 """
 
 from __future__ import annotations
@@ -46,11 +53,10 @@ if TYPE_CHECKING:
 
 #: Internal units keep the RLS well conditioned and its hyper-parameters scale-free: times
 #: are fractions of the prior's one-token step at REFERENCE_CONTEXT, contexts are in units
-#: of CONTEXT_SCALE tokens, verify widths in units of TOKEN_SCALE tokens and item counts
-#: are fractions of the layer count, so that every feature is O(1) where decoding runs.
+#: of CONTEXT_SCALE tokens and item counts are fractions of the layer count, so that every
+#: feature is O(1) where decoding runs.
 REFERENCE_CONTEXT = 1024
 CONTEXT_SCALE = 4096.0
-TOKEN_SCALE = 8.0
 
 
 class RecursiveLeastSquares(BaseEstimator, RegressorMixin):  # type: ignore[misc]
@@ -121,12 +127,35 @@ class RecursiveLeastSquares(BaseEstimator, RegressorMixin):  # type: ignore[misc
         if max_error is not None:
             error = float(np.clip(error, -max_error, max_error))
         self.coef_ += gain * error
-        covariance -= np.outer(gain, px)
-        covariance /= self.forgetting_factor
+        covariance = covariance - np.outer(gain, px)
+        # Symmetrise: the textbook update leaves round-off asymmetry in P, and forgetting
+        # grows it by 1/λ per step; it is trace-free, so the cap never sees it. Unchecked,
+        # at λ = 0.98 it swamped P after about 2000 updates and the coefficients diverged.
+        covariance = (covariance + covariance.T) * (0.5 / self.forgetting_factor)
         trace = covariance.trace()
         if trace > self._trace_cap:  # bounded forgetting: no windup in unexcited directions
             covariance *= self._trace_cap / trace
+        self.covariance_ = covariance
         self.n_updates_ += 1
+
+    def forget(self, steps: int) -> None:
+        """Age the state by ``steps`` sample-free steps: ``P /= λ^steps`` (trace capped).
+
+        Exactly what ``steps`` updates with no information would do (the cap is a scalar
+        rescaling, so capping once equals capping after every step). Lets a regression that
+        only sees some samples forget on a shared clock (the per-width verify blocks).
+        """
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
+        if steps == 0:
+            return
+        if not hasattr(self, "coef_"):
+            raise ValueError("forget() needs an initialised regression (update or fit first)")
+        covariance = self.covariance_
+        covariance /= self.forgetting_factor**steps
+        trace = covariance.trace()
+        if trace > self._trace_cap:
+            covariance *= self._trace_cap / trace
 
     def partial_fit(self, X: ArrayLike, y: ArrayLike) -> RecursiveLeastSquares:
         """Absorb samples ``X: (m, n_features)``, ``y: (m,)`` in order."""
@@ -209,15 +238,19 @@ class OnlineCalibratedCostModel(CostModel):
             :class:`OnlineCalibratedCostModelConfig`.
 
     Attributes:
-        draft_rls_, verify_rls_: the two correction regressions (internal units: see
+        draft_rls_: the draft correction ``(Δo, Δa, Δb, Δc)`` (internal units: see
             ``REFERENCE_CONTEXT``).
+        verify_rls_: ``{k: regression}``, width ``k``'s correction ``(ΔA_k, ΔB_k)`` on the
+            features ``[1, n / CONTEXT_SCALE]``; created when width ``k`` is first observed.
+        verify_clock_: verify observations absorbed (all widths): the forgetting clock.
         time_unit_: seconds of one internal time unit (the prior's step at 1024 tokens).
         n_observed_: observations absorbed; n_outliers_: observations skipped.
     """
 
     config_class = OnlineCalibratedCostModelConfig
     draft_rls_: RecursiveLeastSquares
-    verify_rls_: RecursiveLeastSquares
+    verify_rls_: dict[int, RecursiveLeastSquares]
+    verify_clock_: int
     time_unit_: float
     n_observed_: int
     n_outliers_: int
@@ -254,7 +287,7 @@ class OnlineCalibratedCostModel(CostModel):
             outlier_patience=config.outlier_patience,
         )
 
-    def _state(self) -> tuple[RecursiveLeastSquares, RecursiveLeastSquares]:
+    def _state(self) -> tuple[RecursiveLeastSquares, dict[int, RecursiveLeastSquares]]:
         """The learned state, built (and the hyper-parameters validated) on first use."""
         try:
             return self.draft_rls_, self.verify_rls_
@@ -268,11 +301,13 @@ class OnlineCalibratedCostModel(CostModel):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         variance = float(self.initial_uncertainty) ** 2
+        self._initial_variance = variance
         self.time_unit_ = self.prior.step_cost(REFERENCE_CONTEXT)
         self.draft_rls_ = RecursiveLeastSquares(self.forgetting_factor, variance)
-        self.verify_rls_ = RecursiveLeastSquares(self.forgetting_factor, variance)
         self.draft_rls_._initialize(4)
-        self.verify_rls_._initialize(4)
+        self.verify_rls_ = {}
+        self._verify_last_update: dict[int, int] = {}  # width -> verify_clock_ at its update
+        self.verify_clock_ = 0
         self.n_observed_ = 0
         self.n_outliers_ = 0
         self._outlier_streak = 0
@@ -286,9 +321,19 @@ class OnlineCalibratedCostModel(CostModel):
         return np.array([1.0, attention, attention * scaled, mask.num_mlp_executed / layers])
 
     @staticmethod
-    def _verify_features(tokens: int, context_length: int) -> NDArray[np.float64]:
-        width, scaled = tokens / TOKEN_SCALE, context_length / CONTEXT_SCALE
-        return np.array([1.0, width, scaled, width * scaled])
+    def _verify_features(context_length: int) -> NDArray[np.float64]:
+        """``(2,)`` features of one width's block: ``[1, n / CONTEXT_SCALE]``."""
+        return np.array([1.0, context_length / CONTEXT_SCALE])
+
+    def _verify_block(self, tokens: int) -> RecursiveLeastSquares:
+        """Width ``tokens``' regression, created (zero correction, ``P0``) on first use."""
+        blocks = self._state()[1]
+        rls = blocks.get(tokens)
+        if rls is None:
+            rls = RecursiveLeastSquares(self.forgetting_factor, self._initial_variance)
+            rls._initialize(2)
+            blocks[tokens] = rls
+        return rls
 
     def _corrected(
         self, base: float, features: NDArray[np.float64], rls: RecursiveLeastSquares
@@ -319,32 +364,42 @@ class OnlineCalibratedCostModel(CostModel):
         return self._corrected(base, self._draft_features(mask, context_length), draft_rls)
 
     def verify_cost(self, tokens: int, context_length: int) -> float:
-        verify_rls = self._state()[1]
+        blocks = self._state()[1]
         base = self.prior.verify_cost(tokens, context_length)
-        return self._corrected(base, self._verify_features(tokens, context_length), verify_rls)
+        rls = blocks.get(tokens)
+        if rls is None:  # never observed: the prior's price (floored like a corrected one)
+            return max(base, MIN_SECONDS)
+        return self._corrected(base, self._verify_features(context_length), rls)
 
     def coefficients(self) -> LinearCoefficients:
-        """The prior's layer-averaged coefficients plus the learned corrections (seconds)."""
-        draft, verify = (rls.coef_ * self.time_unit_ for rls in self._state())
+        """The prior's layer-averaged coefficients plus the learned corrections (seconds).
+
+        ``verify`` covers widths ``1..max(K, widest observed)``, ``K`` the prior's table.
+        """
+        draft_rls, blocks = self._state()
+        unit = self.time_unit_
+        draft = draft_rls.coef_ * unit
         prior = self.prior.coefficients()
         layers = self.prior.num_layers
+        verify = []
+        for k in range(1, max(prior.max_width, *blocks, 0) + 1):
+            a, b = self.prior.verify_law(k)
+            if k in blocks:
+                delta_a, delta_b = blocks[k].coef_ * unit
+                a, b = a + delta_a, b + delta_b / CONTEXT_SCALE
+            verify.append((float(a), float(b)))
         return LinearCoefficients(
             overhead=prior.overhead + draft[0],
             attn_intercept=prior.attn_intercept + draft[1] / layers,
             attn_slope=prior.attn_slope + draft[2] / (CONTEXT_SCALE * layers),
             mlp=prior.mlp + draft[3] / layers,
-            verify=(
-                prior.verify[0] + verify[0],
-                prior.verify[1] + verify[1] / TOKEN_SCALE,
-                prior.verify[2] + verify[2] / CONTEXT_SCALE,
-                prior.verify[3] + verify[3] / (TOKEN_SCALE * CONTEXT_SCALE),
-            ),
+            verify=verify,
         )
 
     # ----------------------------------------------------------------- learning
     def observe(self, observation: LatencyObservation) -> None:
         """Absorb one measured step (called by the decoder on its hot path)."""
-        draft_rls, verify_rls = self._state()
+        draft_rls = self._state()[0]
         seconds = observation.seconds
         if not (seconds > 0 and seconds < float("inf")):
             return  # a broken timer reading carries no information
@@ -357,9 +412,9 @@ class OnlineCalibratedCostModel(CostModel):
             base = self.prior.draft_cost(mask, n)
             rls = draft_rls
         elif observation.kind == "verify":
-            features = self._verify_features(observation.tokens, n)
+            features = self._verify_features(n)
             base = self.prior.verify_cost(observation.tokens, n)
-            rls = verify_rls
+            rls = self._verify_block(observation.tokens)
         else:
             raise ValueError(
                 f"LatencyObservation.kind must be 'draft' or 'verify', got {observation.kind!r}"
@@ -375,6 +430,14 @@ class OnlineCalibratedCostModel(CostModel):
                 return
             max_error = None  # a streak of outliers: the law changed, follow it unclipped
         self._outlier_streak = 0
+        if observation.kind == "verify":
+            # The shared clock: age this width's block by every verify update since its own
+            # last one (since clock 0 for a first update), exactly as one regression over
+            # the one-hot features [e_k, e_k·n] would age it; its prior fades the same way.
+            self.verify_clock_ += 1
+            last = self._verify_last_update.get(observation.tokens, 0)
+            rls.forget(self.verify_clock_ - 1 - last)
+            self._verify_last_update[observation.tokens] = self.verify_clock_
         rls.update(features, (seconds - base) / unit, max_error)
         self.n_observed_ += 1
 

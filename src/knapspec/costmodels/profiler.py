@@ -48,7 +48,11 @@ DEFAULT_VERIFY_CONTEXTS: tuple[int, ...] = (128, 1024, 2560, 5120)
 
 QUICK_CONTEXTS: tuple[int, ...] = (64, 1024, 3072)
 QUICK_VERIFY_CONTEXTS: tuple[int, ...] = (128, 2048)
-QUICK_VERIFY_TOKENS: tuple[int, ...] = (1, 2, 6, 11)
+"""Contexts of a quick profile's verification grid: two, the fewest that give every width
+its own line ``A_k + B_k·n``. The quick grid times *every* width ``1..max_tokens`` (no
+subset): the verify cost is a staircase in ``k`` (BLAS takes rows in blocks of 4), which
+widths such as 1, 2, 6, 11 would interpolate straight across. At the default
+``max_tokens = 11`` (D = 10) that is 22 forwards per round instead of 8."""
 
 
 def _synchronizer(device: torch.device) -> Callable[[], None]:
@@ -154,7 +158,8 @@ def profile_engine(
         max_tokens: largest verification width, ``D + 1`` for draft length ``D``.
         verify_tokens: verification widths to time (default ``1..max_tokens``).
         repeats: timed runs per measurement (median taken); warmup: untimed runs before.
-        quick: a few-seconds profile (small ladders, 3 repeats); overrides the ladders.
+        quick: a few-seconds profile (small ladders, 3 repeats); overrides the context
+            ladders, not the widths (every width ``1..max_tokens`` unless ``verify_tokens``).
         progress: show a tqdm bar.
         seed: seed of the random cache fill and token ids.
 
@@ -168,7 +173,6 @@ def profile_engine(
         )
     if quick:
         contexts, verify_contexts = QUICK_CONTEXTS, QUICK_VERIFY_CONTEXTS
-        verify_tokens = [k for k in QUICK_VERIFY_TOKENS if k <= max_tokens] or [1]
         repeats, warmup = min(repeats, 3), min(warmup, 1)
     tokens = sorted({int(k) for k in (verify_tokens or range(1, max_tokens + 1))})
     if not tokens or tokens[0] < 1:
