@@ -264,7 +264,7 @@ def main() -> None:
             "attn_intercept": coefficients.attn_intercept,
             "attn_slope_per_token": coefficients.attn_slope,
             "mlp": coefficients.mlp,
-            "verify_v0_v1_v2_v3": coefficients.verify,
+            "verify_per_width_A_B": coefficients.verify,
         },
         "verify8_over_step_at_1024": verify_ratio,
         "weights_at": {str(n): fitted.weights(n) for n in (256, 1024, 2048, 4096, 8000)},

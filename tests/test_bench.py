@@ -153,7 +153,7 @@ def test_harness_writes_raw_results_and_report(tiny: tuple[Any, Any], tmp_path: 
         "greedy",
     }
     vcurves = [json.loads(line) for line in (run_dir / "vcurve.jsonl").read_text().splitlines()]
-    assert {v["backend"] for v in vcurves} == {"engine", "hf-dynamic-cache"}
+    assert {v["backend"] for v in vcurves} == {"engine", "engine-f.linear", "hf-dynamic-cache"}
 
     docs = tmp_path / "docs" / "benchmarks.md"
     report = write_report(run_dir, docs)

@@ -198,7 +198,9 @@ def test_without_the_fallback_the_planner_always_speculates() -> None:
 def test_plans_are_reused_until_the_policy_triggers() -> None:
     context = context_for(cost=CPU_LIKE)
     planner = KnapsackPlanner(
-        KnapsackPlannerConfig(every_rounds=3, max_planning_fraction=None, context_growth=None)
+        KnapsackPlannerConfig(
+            every_rounds=3, max_planning_fraction=None, context_growth=None, max_backoff=0
+        )
     )
     first = planner.plan(context)
     assert planner.plans_made == 1
@@ -225,6 +227,7 @@ def test_policy_triggers() -> None:
             drift_min_rounds=2,
             every_rounds=10,
             max_planning_fraction=None,
+            max_backoff=0,
         )
     )
     assert policy.decide(100, has_window=False) is None
@@ -246,7 +249,7 @@ def test_policy_triggers() -> None:
 
 
 def test_time_budget_holds_back_replanning() -> None:
-    policy = ReplanPolicy(ReplanConfig(every_rounds=1, max_planning_fraction=0.05))
+    policy = ReplanPolicy(ReplanConfig(every_rounds=1, max_planning_fraction=0.05, max_backoff=0))
     policy.record_plan(DraftPlan.autoregressive(2), 100, 1.0)
     # 1 s of planning may be at most 5 % of the total: 19 s of generation must pass first.
     for _ in range(18):
@@ -276,6 +279,73 @@ def test_falling_acceptance_falls_back_to_plain_steps_within_the_time_budget() -
     planner.update(bad)
     fallback = planner.plan(context)
     assert fallback.draft_length == 0 and planner.plans_made == 1  # no new search
+
+
+def test_a_plan_below_its_break_even_acceptance_is_abandoned_after_one_round() -> None:
+    """Posterior α with a 4-trial prior at the predicted 0.83: one round that accepts none
+    of 3 drafts gives (4·0.83 + 0) / 5 = 0.664 < 0.7, so the plan is abandoned at once
+    (without waiting for the drift rule's rounds), without a new search, and the policy
+    backs off; a round that accepts all its drafts keeps the plan."""
+    context = context_for(cost=CHEAP_VERIFY, seed=3)
+    config = KnapsackPlannerConfig(drift_min_rounds=4, prior_trials=4.0)
+    plan = DraftPlan(SublayerMask.from_skipped(4, [1]), 3, predicted_acceptance=0.83)
+
+    planner = KnapsackPlanner(config)
+    planner.policy.record_plan(plan, 24, 100.0, breakeven_acceptance=0.7)
+    planner.update(StepOutcome(plan, 24, 3, 3, 0.01, 0.01))
+    assert planner.policy.posterior_acceptance == pytest.approx((4 * 0.83 + 3) / 7)
+    assert planner.plan(context) is plan
+
+    planner = KnapsackPlanner(config)
+    planner.policy.record_plan(plan, 24, 100.0, breakeven_acceptance=0.7)
+    planner.update(StepOutcome(plan, 24, 3, 0, 0.01, 0.01))
+    assert planner.policy.posterior_acceptance == pytest.approx(4 * 0.83 / 5)
+    fallback = planner.plan(context)
+    assert fallback.draft_length == 0 and planner.plans_made == 1
+    assert planner.policy.abandoned_ == 1 and planner.policy.backoff_ == 1
+
+
+def test_back_off_after_searches_that_do_not_pay_and_reset_after_one_that_does() -> None:
+    policy = ReplanPolicy(
+        ReplanConfig(
+            every_rounds=4,
+            max_planning_fraction=None,
+            max_backoff=2,
+            drift_min_rounds=2,
+            context_growth=None,
+        )
+    )
+    plain = DraftPlan.autoregressive(2)
+
+    def rounds_until_replan() -> int:
+        for count in range(1, 100):
+            policy.observe(StepOutcome(plain, 100, 0, 0, 0.0, 0.01))
+            if policy.decide(100, True) is ReplanReason.PERIODIC:
+                return count
+        raise AssertionError("never re-planned")
+
+    intervals = []
+    for _ in range(4):
+        policy.record_plan(plain, 100, 0.0)  # each search ends at γ = 0
+        intervals.append(rounds_until_replan())
+    assert intervals == [8, 16, 16, 16]  # doubled, capped at 2 doublings
+    good = speculative_plan(0.9)
+    policy.record_plan(good, 100, 0.0, breakeven_acceptance=0.5)
+    for _ in range(2):
+        policy.observe(StepOutcome(good, 100, 4, 4, 0.01, 0.01))
+    assert policy.backoff_ == 0 and policy.periodic_interval() == 4
+
+
+def test_time_budget_wait_grows_with_the_back_off() -> None:
+    policy = ReplanPolicy(ReplanConfig(every_rounds=1, max_planning_fraction=0.05, max_backoff=3))
+    policy.record_plan(DraftPlan.autoregressive(2), 100, 1.0)  # γ = 0: one doubling
+    assert policy.backoff_ == 1
+    # 1 s of planning, 5 % budget, one doubling: 38 s of generation must pass first.
+    for _ in range(37):
+        policy.observe(StepOutcome(DraftPlan.autoregressive(2), 100, 0, 0, 0.0, 1.0))
+        assert policy.decide(100, True) is None
+    policy.observe(StepOutcome(DraftPlan.autoregressive(2), 100, 0, 0, 0.0, 1.0))
+    assert policy.decide(100, True) is ReplanReason.PERIODIC
 
 
 def test_a_draft_that_skips_nothing_is_never_chosen() -> None:

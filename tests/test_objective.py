@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from knapspec.planners.objective import (
     RoundCosts,
+    breakeven_acceptance,
     expected_tokens,
     grid_search,
     tokens_per_layer,
@@ -143,3 +144,37 @@ def test_bad_input_is_named() -> None:
         grid_search([], RoundCosts(draft=np.array([]), verify=np.array([1.0])))
     with pytest.raises(ValueError, match="positive"):
         tokens_per_time(0.5, 0, 0.0, 0.0)
+
+
+@settings(max_examples=200)
+@given(
+    gamma=st.integers(1, 10),
+    draft=st.floats(0.0, 2.0),
+    verify=st.floats(0.5, 4.0),
+    step=st.floats(0.5, 2.0),
+    planning=st.floats(0.0, 0.5),
+)
+def test_breakeven_acceptance_is_where_speculation_ties_plain_steps(
+    gamma: int, draft: float, verify: float, step: float, planning: float
+) -> None:
+    alpha = breakeven_acceptance(gamma, draft, verify, step, planning)
+    assert 0.0 <= alpha <= 1.0
+    tpt = lambda a: tokens_per_time(a, gamma, draft, verify, planning)  # noqa: E731
+    if 0.0 < alpha < 1.0:
+        assert tpt(alpha) == pytest.approx(1.0 / step, rel=1e-9)
+    # Below the break-even the round loses to plain steps, above it the round wins.
+    if alpha > 1e-6:
+        assert tpt(max(0.0, alpha - 1e-3)) < 1.0 / step
+    if alpha < 1.0 - 1e-6:
+        assert tpt(min(1.0, alpha + 1e-3)) > 1.0 / step
+
+
+def test_breakeven_acceptance_limits() -> None:
+    # A round that costs no more than a plain step pays even at α = 0.
+    assert breakeven_acceptance(2, 0.0, 1.0, 1.0) == 0.0
+    # Three drafts at a full step each plus a verify of 1.5: 4.5 steps for at most 4 tokens.
+    assert breakeven_acceptance(3, 1.0, 1.5, 1.0) == 1.0
+    with pytest.raises(ValueError, match="draft_length"):
+        breakeven_acceptance(0, 0.1, 1.0, 1.0)
+    with pytest.raises(ValueError, match="step_cost"):
+        breakeven_acceptance(1, 0.1, 1.0, 0.0)

@@ -383,7 +383,7 @@ def plot_vcurves(data: RunData, path: Path) -> bool:
     colours: dict[int, Any] = {}
     for line in sorted(data.vcurve, key=lambda item: item["context_length"]):
         length = line["context_length"]
-        style = "-" if line["backend"] == "engine" else "--"
+        style = {"engine": "-", "engine-f.linear": ":"}.get(line["backend"], "--")
         kwargs: dict[str, Any] = {"color": colours[length]} if length in colours else {}
         (handle,) = axis.plot(
             line["k"],
@@ -469,8 +469,11 @@ def render(data: RunData, image_prefix: str = "") -> str:
             "## Verification cost v(k)",
             "",
             "v(k) = time of one step over k new tokens / time of a 1-token step, at the "
-            "prompt's context; `engine` is knapspec's preallocated cache and grouped-query "
-            "attention, `hf-dynamic-cache` the model's own forward with a `DynamicCache`.",
+            "prompt's context; `engine` is knapspec's preallocated cache, grouped-query "
+            "attention and few-row linear kernel (after), `engine-f.linear` the same engine "
+            "with the model's own `nn.Linear` layers (before), `hf-dynamic-cache` the model's "
+            "own forward with a `DynamicCache`. The 1-token step column compares absolute "
+            "speed.",
             "",
             vcurve_table(data),
             "",

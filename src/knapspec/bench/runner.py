@@ -526,10 +526,18 @@ class Harness:
             ids = prompt.input_ids
             cache = filled_cache(self.engine, ids, len(widths) + 1)
             repeats = options.vcurve_repeats
+            # The engine with and without its few-row linear kernel (v(k) after / before).
+            plain_engine = SublayerEngine(self.model, small_row_linear=False)
             for backend, seconds in (
                 (
                     "engine",
                     engine_verify_seconds(self.engine, cache, ids.numel(), widths, repeats=repeats),
+                ),
+                (
+                    "engine-f.linear",
+                    engine_verify_seconds(
+                        plain_engine, cache, ids.numel(), widths, repeats=repeats
+                    ),
                 ),
                 ("hf-dynamic-cache", hf_verify_seconds(self.model, ids, widths, repeats=repeats)),
             ):

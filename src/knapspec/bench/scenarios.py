@@ -138,7 +138,7 @@ def default_scenarios(*, quick: bool = False) -> tuple[Scenario, ...]:
             "copy",
             (2048, 4096),
             128,
-            description="reproduce an N-token passage word for word, 128 new tokens, greedy",
+            description="copy an N/2-token passage a second time, verbatim, 128 new tokens, greedy",
         ),
         Scenario(
             "long-generation",

@@ -32,8 +32,10 @@ if TYPE_CHECKING:
 SCHEMA_VERSION = 1
 """Version of the JSON layout written by :meth:`LatencyProfile.save`."""
 
-ATTENTION_IMPLEMENTATION = "knapspec-engine"
-"""Timings go through the engine's own attention arithmetic, not ``attn_implementation``."""
+ATTENTION_IMPLEMENTATION = "knapspec-engine-r2"
+"""Timings go through the engine's own arithmetic, not ``attn_implementation``. The suffix
+is the engine's kernel revision (r2: few-row linear layers, :mod:`knapspec.model.kernels`);
+bump it whenever the engine's speed changes, so that older timings are refused."""
 
 CACHE_TYPE = "knapspec-preallocated"
 """The engine's preallocated, position-indexed :class:`~knapspec.model.cache.KVCache`."""

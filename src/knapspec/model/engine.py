@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from knapspec.model.cache import KVCache
+from knapspec.model.kernels import linear
 from knapspec.types import SublayerMask
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
@@ -97,11 +98,16 @@ class SublayerEngine:
     Args:
         model: a loaded ``PreTrainedModel`` of a supported family, in eval mode. Device and
             dtype are read from its parameters.
+        small_row_linear: run the linear layers of few-row products (decode, verify) through
+            :func:`knapspec.model.kernels.linear` (1.5x faster steps on a 2-core CPU); False
+            runs every projection as the model's own module (``F.linear``), e.g. to measure
+            the difference.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, small_row_linear: bool = True) -> None:
         _check_supported(model)
         self.model = model
+        self.small_row_linear = small_row_linear
         config: Any = model.config
         self.config = config
         backbone: Any = model.model
@@ -157,6 +163,27 @@ class SublayerEngine:
             )
 
     # ------------------------------------------------------------- numerics
+    def _project(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``module(x)`` for a linear layer, through the few-row kernel when enabled.
+
+        Anything but a plain ``nn.Linear`` (a quantised or hooked layer) runs as itself.
+        """
+        if self.small_row_linear and type(module) is nn.Linear:
+            return linear(x, module.weight, module.bias)
+        result: torch.Tensor = module(x)
+        return result
+
+    def _gated_mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``down(act(gate(x)) * up(x))``, the Llama/Mistral/Qwen MLP, via :meth:`_project`."""
+        gate = getattr(mlp, "gate_proj", None)
+        up = getattr(mlp, "up_proj", None)
+        down = getattr(mlp, "down_proj", None)
+        act = getattr(mlp, "act_fn", None)
+        if not self.small_row_linear or gate is None or up is None or down is None or act is None:
+            result: torch.Tensor = mlp(x)
+            return result
+        return self._project(down, act(self._project(gate, x)) * self._project(up, x))
+
     def _rotary(
         self, positions: torch.Tensor, like: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,14 +198,14 @@ class SublayerEngine:
         attn = layer.self_attn
         batch, q_len, _ = normed.shape
         shape = (batch, q_len, -1, self.head_dim)
-        query = attn.q_proj(normed).view(shape)
-        key = attn.k_proj(normed).view(shape)
+        query = self._project(attn.q_proj, normed).view(shape)
+        key = self._project(attn.k_proj, normed).view(shape)
         if self._has_qk_norm:
             query = attn.q_norm(query)
             key = attn.k_norm(key)
         query = query.transpose(1, 2)
         key = key.transpose(1, 2)
-        value = attn.v_proj(normed).view(shape).transpose(1, 2)
+        value = self._project(attn.v_proj, normed).view(shape).transpose(1, 2)
         query, key = self._apply_rotary(query, key, cos, sin)
         return query, key, value
 
@@ -240,12 +267,14 @@ class SublayerEngine:
             attended = self._attend(query, keys, values, None)
         else:
             attended = self._attend(query, keys, values, causal_mask(start, q_len, self.device))
-        output: torch.Tensor = hidden + layer.self_attn.o_proj(attended)
+        output: torch.Tensor = hidden + self._project(layer.self_attn.o_proj, attended)
         return output
 
     def _mlp_item(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor:
         layer = self.layers[layer_index]
-        output: torch.Tensor = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        output: torch.Tensor = hidden + self._gated_mlp(
+            layer.mlp, layer.post_attention_layernorm(hidden)
+        )
         return output
 
     # ------------------------------------------------------------- public API
@@ -309,7 +338,7 @@ class SublayerEngine:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: ``(..., d_model) -> (..., vocab)`` in float32."""
-        logits: torch.Tensor = self.lm_head(self.final_norm(hidden)).float()
+        logits: torch.Tensor = self._project(self.lm_head, self.final_norm(hidden)).float()
         return logits
 
     @torch.inference_mode()
@@ -364,7 +393,7 @@ class SublayerEngine:
         mask = block_causal_mask(branches, q_len, prefix_length, self.device)
         attended = self._attend(query, keys, values, mask)  # (1, B*q, H*hd)
         attended = attended.reshape(branches, q_len, self.num_heads * self.head_dim)
-        output: torch.Tensor = hidden + layer.self_attn.o_proj(attended)
+        output: torch.Tensor = hidden + self._project(layer.self_attn.o_proj, attended)
         return output
 
     @torch.inference_mode()

@@ -41,7 +41,12 @@ from knapspec.planners.dp import (
     mean_cosine,
     single_items,
 )
-from knapspec.planners.objective import GridSearchResult, RoundCosts, grid_search
+from knapspec.planners.objective import (
+    GridSearchResult,
+    RoundCosts,
+    breakeven_acceptance,
+    grid_search,
+)
 from knapspec.planners.replan import ReplanConfig, ReplanPolicy, ReplanReason
 from knapspec.types import DraftPlan, StepOutcome, SublayerMask
 
@@ -100,7 +105,7 @@ class KnapsackPlannerConfig:
         max_draft_length: cap on γ below the decoder's D (None: D).
         amortise_planning: charge the amortised planning time to speculative rounds in TPT.
         context_growth, acceptance_drift, drift_min_rounds, acceptance_smoothing,
-        every_rounds, max_planning_fraction: the re-planning policy
+        every_rounds, max_planning_fraction, prior_trials, max_backoff: the re-planning policy
             (:class:`~knapspec.planners.replan.ReplanConfig`).
     """
 
@@ -125,6 +130,8 @@ class KnapsackPlannerConfig:
     acceptance_smoothing: float = ReplanConfig().acceptance_smoothing
     every_rounds: int | None = ReplanConfig().every_rounds
     max_planning_fraction: float | None = ReplanConfig().max_planning_fraction
+    prior_trials: float = ReplanConfig().prior_trials
+    max_backoff: int = ReplanConfig().max_backoff
 
     def replan_config(self) -> ReplanConfig:
         """The re-planning fields as a validated :class:`ReplanConfig`."""
@@ -135,6 +142,8 @@ class KnapsackPlannerConfig:
             acceptance_smoothing=self.acceptance_smoothing,
             every_rounds=self.every_rounds,
             max_planning_fraction=self.max_planning_fraction,
+            prior_trials=self.prior_trials,
+            max_backoff=self.max_backoff,
         )
 
 
@@ -154,6 +163,8 @@ class KnapsackSearch:
         alphas: their estimated acceptance.
         grid: the grid search over them (None when it did not run).
         seconds: wall time of the whole plan.
+        breakeven_acceptance: for a speculative plan, the α below which it is slower than
+            plain steps under the same costs (None otherwise).
     """
 
     plan: DraftPlan
@@ -167,6 +178,7 @@ class KnapsackSearch:
     alphas: tuple[float, ...]
     grid: GridSearchResult | None
     seconds: float
+    breakeven_acceptance: float | None = None
 
 
 @PLANNERS.register("knapsack")
@@ -218,16 +230,18 @@ class KnapsackPlanner(Planner):
             if current is None:
                 return DraftPlan.autoregressive(context.engine.num_layers, source="knapsack")
             if self.policy.acceptance_fell():
-                # The plan is losing, but the time budget forbids a new search yet: fall
+                # The plan is losing, and the time budget forbids a new search yet: fall
                 # back to plain steps (always safe) until the policy allows re-planning.
                 current = DraftPlan.autoregressive(context.engine.num_layers, source="knapsack")
-                self.policy.replace_plan(current)
+                self.policy.abandon_plan(current)
             return current
         started = time.perf_counter()
         search = self.search(context)
         seconds = time.perf_counter() - started
         self.last_search_ = attrs.evolve(search, seconds=seconds)
-        self.policy.record_plan(search.plan, context.context_length, seconds)
+        self.policy.record_plan(
+            search.plan, context.context_length, seconds, search.breakeven_acceptance
+        )
         return search.plan
 
     @property
@@ -350,6 +364,15 @@ class KnapsackPlanner(Planner):
             result = no_speculation(shortcut=False, dp=dp)
             return attrs.evolve(result, candidates=candidates, alphas=tuple(alphas), grid=grid)
         tps: float | None = grid.objective
+        breakeven = None
+        if tpt and cost_model is not None:
+            breakeven = breakeven_acceptance(
+                grid.draft_length,
+                float(subset.draft[grid.candidate]),
+                float(costs.verify[grid.draft_length]),
+                float(costs.verify[0]),
+                costs.planning,
+            )
         if not tpt:
             tps = None
             if cost_model is not None:
@@ -376,6 +399,7 @@ class KnapsackPlanner(Planner):
             tuple(alphas),
             grid,
             0.0,
+            breakeven,
         )
 
     def _search_affordable(

@@ -70,6 +70,39 @@ def tokens_per_time(
     return float(expected_tokens(alpha, draft_length)) / denominator
 
 
+def breakeven_acceptance(
+    draft_length: int,
+    draft_cost: float,
+    verify_cost: float,
+    step_cost: float,
+    planning_cost: float = 0.0,
+) -> float:
+    """The α at which a round of ``γ`` drafts is exactly as fast as plain steps.
+
+    Solves ``E(α, γ) / (γ·draft_cost + verify_cost + planning_cost) = 1 / step_cost`` for α
+    (``E`` rises strictly from 1 to ``γ + 1`` on ``[0, 1]``, so bisection finds the unique
+    root). Below it the plan loses to plain decoding. Returns 0.0 when the round pays even
+    at α = 0 and 1.0 when it cannot pay even at α = 1.
+    """
+    if draft_length < 1:
+        raise ValueError(f"draft_length must be >= 1, got {draft_length}")
+    if not step_cost > 0:
+        raise ValueError(f"step_cost must be positive, got {step_cost}")
+    needed = (draft_length * draft_cost + verify_cost + planning_cost) / step_cost
+    if needed <= 1.0:
+        return 0.0
+    if needed >= draft_length + 1:
+        return 1.0
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        middle = 0.5 * (low + high)
+        if float(expected_tokens(middle, draft_length)) < needed:
+            low = middle
+        else:
+            high = middle
+    return 0.5 * (low + high)
+
+
 def tokens_per_layer(
     alpha: npt.ArrayLike,
     draft_length: npt.ArrayLike,
@@ -222,6 +255,7 @@ def grid_search(
 __all__ = [
     "GridSearchResult",
     "RoundCosts",
+    "breakeven_acceptance",
     "expected_tokens",
     "grid_search",
     "tokens_per_layer",

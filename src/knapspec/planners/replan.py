@@ -11,10 +11,20 @@ Re-planning triggers (each configurable, any may be switched off):
 * **periodic**: every ``every_rounds`` rounds — also while the plan is γ = 0, when there is
   no acceptance to observe, so that a turn to copy-heavy text is noticed.
 
+A speculative plan is **abandoned** (replaced by plain steps until the next plan) as soon as
+its acceptance is credibly below its *break-even* acceptance — the α at which the plan's
+tokens-per-time equals a plain step's. The estimate is the posterior mean of a Beta prior
+worth ``prior_trials`` trials at the predicted α, updated with the observed accepts and
+trials; a rejected first round of a plan predicted at α = 0.83 with break-even 0.7 is
+enough. Every search that ends at γ = 0 and every abandoned plan doubles the periodic
+interval and the time budget's wait (**back-off**, up to ``max_backoff`` doublings), so that
+on text where speculation does not pay the planner soon stops paying for searches; a plan
+that survives its first ``drift_min_rounds`` rounds resets the back-off.
+
 Every trigger except the first is held back by a **time budget**: a re-plan is allowed only
 once the generation time since the last plan is large enough that the last plan's measured
 time is at most ``max_planning_fraction`` of the total, ``t_plan / (t_plan + t_since) <= f``.
-The amortised planning share therefore stays near ``f`` whatever one DP costs.
+The amortised planning share therefore stays near ``f / 2^backoff`` whatever one DP costs.
 """
 
 from __future__ import annotations
@@ -54,6 +64,10 @@ class ReplanConfig:
         every_rounds: re-plan at least every this-many rounds (also under a γ = 0 plan).
         max_planning_fraction: the time budget ``f`` holding back every trigger but the
             first plan.
+        prior_trials: weight, in trials, of the predicted α in the posterior that decides
+            whether a plan fell below its break-even acceptance (0: observations only).
+        max_backoff: most doublings of the periodic interval and the budget's wait after
+            searches that did not pay (0: no back-off).
     """
 
     context_growth: float | None = attrs.field(default=0.25, validator=_positive_or_none)
@@ -62,6 +76,8 @@ class ReplanConfig:
     acceptance_smoothing: float = attrs.field(default=0.3, validator=_fraction)
     every_rounds: int | None = attrs.field(default=32, validator=_optional_at_least_one)
     max_planning_fraction: float | None = attrs.field(default=0.05, validator=_fraction)
+    prior_trials: float = attrs.field(default=4.0, validator=attrs.validators.ge(0.0))
+    max_backoff: int = attrs.field(default=3, validator=attrs.validators.ge(0))
 
 
 class ReplanReason(StrEnum):
@@ -99,11 +115,31 @@ class ReplanPolicy:
         self.trials_ema_: float | None = None
         self.plans_made_: int = 0
         self.planning_seconds_: float = 0.0
+        self.breakeven_: float | None = None
+        self.accepted_total_: int = 0
+        self.trials_total_: int = 0
+        self.backoff_: int = 0
+        self.abandoned_: int = 0
 
     # ------------------------------------------------------------------ feedback
-    def record_plan(self, plan: DraftPlan, context_length: int, seconds: float) -> None:
-        """A new plan was made at ``context_length``, taking ``seconds``."""
+    def record_plan(
+        self,
+        plan: DraftPlan,
+        context_length: int,
+        seconds: float,
+        breakeven_acceptance: float | None = None,
+    ) -> None:
+        """A new plan was made at ``context_length``, taking ``seconds``.
+
+        Args:
+            breakeven_acceptance: the α below which the plan is slower than plain steps
+                (None: unknown, only the drift rule can abandon it).
+        """
+        if plan.draft_length == 0:
+            self._back_off()
         self.plan_ = plan
+        self.breakeven_ = breakeven_acceptance if plan.draft_length > 0 else None
+        self.accepted_total_ = self.trials_total_ = 0
         self.planned_at_length_ = context_length
         self.last_plan_seconds_ = max(0.0, seconds)
         self.rounds_since_plan_ = 0
@@ -128,12 +164,44 @@ class ReplanPolicy:
         if trials == 0:
             return
         weight = self.config.acceptance_smoothing
+        self.accepted_total_ += outcome.accepted
+        self.trials_total_ += trials
         if self.accepted_ema_ is None or self.trials_ema_ is None:
             self.accepted_ema_, self.trials_ema_ = float(outcome.accepted), float(trials)
         else:
             self.accepted_ema_ += weight * (outcome.accepted - self.accepted_ema_)
             self.trials_ema_ += weight * (trials - self.trials_ema_)
         self.speculative_rounds_ += 1
+        if self.speculative_rounds_ == self.config.drift_min_rounds and not self.below_breakeven():
+            self.backoff_ = 0  # the plan survived its trial: speculation pays here
+
+    def _back_off(self) -> None:
+        self.backoff_ = min(self.backoff_ + 1, self.config.max_backoff)
+
+    @property
+    def posterior_acceptance(self) -> float | None:
+        """Posterior mean of the current plan's α: Beta prior worth ``prior_trials`` trials at
+        the predicted α, updated with this plan's accepts and trials (None without a
+        speculative plan)."""
+        plan = self.plan_
+        if plan is None or plan.draft_length == 0 or plan.predicted_acceptance is None:
+            return None
+        prior = self.config.prior_trials
+        trials = prior + self.trials_total_
+        if trials <= 0:
+            return None
+        return (prior * plan.predicted_acceptance + self.accepted_total_) / trials
+
+    def below_breakeven(self) -> bool:
+        """Whether the current plan's posterior α fell below its break-even α (after at
+        least one speculative round)."""
+        posterior = self.posterior_acceptance
+        return (
+            self.breakeven_ is not None
+            and posterior is not None
+            and self.speculative_rounds_ > 0
+            and posterior < self.breakeven_
+        )
 
     @property
     def observed_acceptance(self) -> float | None:
@@ -154,17 +222,23 @@ class ReplanPolicy:
 
     def expected_rounds_per_plan(self) -> float:
         """Rounds one plan is expected to serve (for amortising its cost); 0 if unknown."""
-        config = self.config
-        if config.every_rounds is not None:
-            return float(config.every_rounds)
-        return 0.0
+        interval = self.periodic_interval()
+        return float(interval) if interval is not None else 0.0
+
+    def periodic_interval(self) -> int | None:
+        """Rounds between periodic re-plans under the current back-off (None: never)."""
+        every = self.config.every_rounds
+        return None if every is None else every * (1 << self.backoff_)
 
     def acceptance_fell(self) -> bool:
-        """Whether a speculative plan's observed acceptance fell below its prediction by
-        more than ``acceptance_drift`` (after ``drift_min_rounds`` rounds)."""
+        """Whether a speculative plan should be abandoned: its posterior α is below its
+        break-even α, or its observed acceptance fell below the prediction by more than
+        ``acceptance_drift`` (after ``drift_min_rounds`` rounds)."""
         config = self.config
         plan = self.plan_
         observed = self.observed_acceptance
+        if self.below_breakeven():
+            return True
         return (
             config.acceptance_drift is not None
             and plan is not None
@@ -180,6 +254,14 @@ class ReplanPolicy:
         self.plan_ = plan
         self.speculative_rounds_ = 0
         self.accepted_ema_ = self.trials_ema_ = None
+        self.accepted_total_ = self.trials_total_ = 0
+        self.breakeven_ = None
+
+    def abandon_plan(self, fallback: DraftPlan) -> None:
+        """The speculative plan lost: switch to ``fallback`` (plain steps) and back off."""
+        self.abandoned_ += 1
+        self._back_off()
+        self.replace_plan(fallback)
 
     # ------------------------------------------------------------------ decision
     def within_budget(self) -> bool:
@@ -187,7 +269,7 @@ class ReplanPolicy:
         fraction = self.config.max_planning_fraction
         if fraction is None:
             return True
-        needed = self.last_plan_seconds_ * (1.0 - fraction) / fraction
+        needed = self.last_plan_seconds_ * (1.0 - fraction) / fraction * (1 << self.backoff_)
         return self.seconds_since_plan_ >= needed
 
     def decide(self, context_length: int, has_window: bool) -> ReplanReason | None:
@@ -214,7 +296,8 @@ class ReplanPolicy:
             and abs(observed - predicted) > config.acceptance_drift
         ):
             return ReplanReason.ACCEPTANCE_DRIFT
-        if config.every_rounds is not None and self.rounds_since_plan_ >= config.every_rounds:
+        interval = self.periodic_interval()
+        if interval is not None and self.rounds_since_plan_ >= interval:
             return ReplanReason.PERIODIC
         return None
 

@@ -1,0 +1,65 @@
+"""The few-row linear kernel equals ``F.linear`` to rounding, and the engine's switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tests.tiny_models import tiny_model
+
+from knapspec.model.engine import SublayerEngine
+from knapspec.model.kernels import SMALL_ROWS, linear, padded_rows
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, SMALL_ROWS + 4),
+    lead=st.sampled_from([(), (1,), (2,)]),
+    in_features=st.integers(1, 48),
+    out_features=st.integers(1, 64),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_matches_f_linear(
+    rows: int,
+    lead: tuple[int, ...],
+    in_features: int,
+    out_features: int,
+    bias: bool,
+    seed: int,
+) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, rows, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    b = torch.randn(out_features, generator=generator) if bias else None
+    expected = F.linear(x, weight, b)
+    got = linear(x, weight, b)
+    assert got.shape == expected.shape and got.is_contiguous()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_padding_rule() -> None:
+    assert [padded_rows(r) for r in range(1, 7)] == [2, 2, 4, 4, 5, 6]
+
+
+def test_other_dtypes_fall_back_to_f_linear() -> None:
+    x = torch.randn(3, 8, dtype=torch.float64)
+    weight = torch.randn(5, 8)
+    with pytest.raises(RuntimeError):
+        linear(x, weight)  # F.linear's own dtype error, not a silent cast
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_engine_with_and_without_the_kernel_agree(family: str) -> None:
+    model = tiny_model(family, seed=3)
+    fast, plain = SublayerEngine(model), SublayerEngine(model, small_row_linear=False)
+    ids = torch.randint(0, fast.vocab_size, (12,), generator=torch.Generator().manual_seed(1))
+    for width in (1, 3, 8):
+        outs = []
+        for engine in (fast, plain):
+            cache = engine.new_cache(32)
+            engine.forward(ids[:-width], 0, cache)
+            outs.append(engine.forward(ids[-width:], ids.numel() - width, cache).logits)
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-5)
