@@ -39,6 +39,7 @@ from knapspec.costmodels import (
     profile_engine,
 )
 from knapspec.costmodels import defaults as defaults_module
+from knapspec.costmodels.profiler import PLANNING_WIDTHS
 from knapspec.model.engine import SublayerEngine
 from knapspec.types import SublayerMask
 
@@ -789,8 +790,9 @@ def test_profiler_smoke_on_a_tiny_model() -> None:
     profile.check_compatible(engine)
     assert profile.contexts == (8, 64, 200)
     assert len(profile.attention_seconds) == 3 and len(profile.attention_seconds[0]) == 3
+    # every width up to D + 1, plus the DP-sized widths the planner prices a search with
     assert {(v.tokens, v.context_length) for v in profile.verify} == {
-        (k, n) for k in range(1, 5) for n in (16, 128)
+        (k, n) for k in (*range(1, 5), *PLANNING_WIDTHS) for n in (16, 128)
     }
     timings = [*np.ravel(profile.attention_seconds), *np.ravel(profile.mlp_seconds)]
     assert all(t > 0 for t in timings) and all(v.seconds > 0 for v in profile.verify)
@@ -806,11 +808,12 @@ def test_profiler_clamps_contexts_to_the_model_and_has_a_quick_mode() -> None:
     contexts = sorted({v.context_length for v in profile.verify})
     assert len(contexts) == 2
     assert sorted((v.tokens, v.context_length) for v in profile.verify) == [
-        (k, n) for k in range(1, 5) for n in contexts
+        (k, n) for k in (*range(1, 5), *PLANNING_WIDTHS) for n in contexts
     ]
     default = profile_engine(engine, quick=True, progress=False)  # max_tokens = D + 1 = 11
-    assert {v.tokens for v in default.verify} == set(range(1, 12))
-    assert FittedLinearCostModel.from_profile(default).verify_widths == tuple(range(1, 12))
+    widths = (*range(1, 12), *PLANNING_WIDTHS)
+    assert {v.tokens for v in default.verify} == set(widths)
+    assert FittedLinearCostModel.from_profile(default).verify_widths == widths
     assert profile.contexts[-1] <= engine.max_context - 2
     assert max(v.context_length + v.tokens for v in profile.verify) <= engine.max_context
     with pytest.raises(ValueError, match="repeats"):

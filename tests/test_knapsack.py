@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 import numpy as np
 import pytest
+import torch
 
 from knapspec.costmodels.base import CostModel
 from knapspec.planners.base import PLANNERS, PlanningContext
@@ -137,7 +138,9 @@ def test_plan_is_the_tpt_optimum_over_the_dp_candidates() -> None:
 
 def test_acceptance_fallback_is_top1_agreement() -> None:
     context = context_for(cost=CHEAP_VERIFY, seed=4)
-    planner = KnapsackPlanner(KnapsackPlannerConfig(pareto_candidates=False))
+    planner = KnapsackPlanner(
+        KnapsackPlannerConfig(pareto_candidates=False, acceptance_pseudo_counts=0.0)
+    )
     planner.plan(context)
     search = planner.last_search_
     assert search is not None and search.dp is not None
@@ -150,6 +153,12 @@ def test_acceptance_fallback_is_top1_agreement() -> None:
     # The full model (budget 0) agrees with itself on every window token.
     if 0 in search.candidates:
         assert search.alphas[search.candidates.index(0)] == pytest.approx(1.0)
+    # With the default Laplace prior, α on r tokens is (r·α̂ + 1) / (r + 2).
+    shrunk = KnapsackPlanner(KnapsackPlannerConfig(pareto_candidates=False))
+    shrunk.plan(context)
+    assert shrunk.last_search_ is not None
+    r = dp.window.size
+    np.testing.assert_allclose(shrunk.last_search_.alphas, (r * agreement.numpy() + 1) / (r + 2))
 
 
 def test_tied_items_skip_whole_layers() -> None:
@@ -366,3 +375,48 @@ def test_a_draft_that_skips_nothing_is_never_chosen() -> None:
     assert search is not None and search.dp is not None
     assert any(mask.num_skipped == 0 for mask in search.dp.masks)  # budget 0 was reachable
     assert all(search.dp.masks[i].num_skipped > 0 for i in search.candidates)
+
+
+def test_a_plan_measured_slower_than_plain_steps_is_abandoned() -> None:
+    """The wall clock has the last word: acceptance as predicted, but speculative rounds
+    that commit tokens more slowly than the measured plain steps lose the plan."""
+    config = ReplanConfig(drift_min_rounds=2, max_planning_fraction=None, context_growth=None)
+    plan = speculative_plan(0.9)
+    for round_seconds, abandoned in ((0.05, True), (0.02, False)):
+        policy = ReplanPolicy(config)
+        policy.record_plan(DraftPlan.autoregressive(2), 100, 0.0)
+        for _ in range(3):  # plain steps of 10 ms: 100 tokens/s
+            policy.observe(StepOutcome(DraftPlan.autoregressive(2), 100, 0, 0, 0.0, 0.01))
+        policy.record_plan(plan, 100, 0.0, breakeven_acceptance=0.1)
+        # 4 drafts, 3 accepted: 4 tokens per round, acceptance in line with the prediction.
+        policy.observe(StepOutcome(plan, 100, 4, 3, round_seconds / 2, round_seconds / 2))
+        assert not policy.acceptance_fell()  # one round is not enough evidence
+        policy.observe(StepOutcome(plan, 100, 4, 3, round_seconds / 2, round_seconds / 2))
+        # 4 tokens per 50 ms = 80 tokens/s < 100: abandon; 4 per 20 ms = 200 tokens/s: keep.
+        assert policy.acceptance_fell() is abandoned
+
+
+def test_a_marginal_predicted_gain_keeps_plain_steps() -> None:
+    context = context_for(cost=CHEAP_VERIFY, seed=3)
+    free = KnapsackPlanner(KnapsackPlannerConfig(tau=None, min_predicted_speedup=1.0))
+    plan = free.plan(context)
+    search = free.last_search_
+    assert plan.draft_length > 0 and search is not None and search.grid is not None
+    predicted = search.grid.objective * context.cost_model.step_cost(24)  # type: ignore[union-attr]
+    strict = KnapsackPlanner(
+        KnapsackPlannerConfig(tau=None, min_predicted_speedup=predicted * 1.01)
+    )
+    assert strict.plan(context).draft_length == 0
+
+
+def test_the_copy_gate_searches_only_while_the_output_is_copied() -> None:
+    copied = torch.tensor([*range(100, 140), 7, *range(100, 120)])
+    fresh = torch.arange(1000, 1061)
+    for tokens, searched in ((copied, True), (fresh, False)):
+        planner = KnapsackPlanner(KnapsackPlannerConfig(search_gate="copy"))
+        planner.plan(context_for(cost=CHEAP_VERIFY, seed=3, tokens=tokens))
+        assert (planner.plans_made == 1) is searched
+        assert planner.gated_rounds_ == (0 if searched else 1)
+    always = KnapsackPlanner(KnapsackPlannerConfig(search_gate="always"))
+    always.plan(context_for(cost=CHEAP_VERIFY, seed=3, tokens=fresh))
+    assert always.plans_made == 1

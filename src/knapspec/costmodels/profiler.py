@@ -55,6 +55,14 @@ widths such as 1, 2, 6, 11 would interpolate straight across. At the default
 ``max_tokens = 11`` (D = 10) that is 22 forwards per round instead of 8."""
 
 
+PLANNING_WIDTHS: tuple[int, ...] = (16, 32, 64)
+"""Extra verification widths beyond ``max_tokens``: one knapsack DP runs every item over
+``live budgets × window tokens`` rows (17 × 2 = 34 by default), so the planner prices a
+search as ``t_verify(rows, n)``; timing these widths makes that an interpolation between
+measured points instead of an extrapolation of the small-width staircase (which overprices
+34 rows about 2x)."""
+
+
 def _synchronizer(device: torch.device) -> Callable[[], None]:
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
@@ -156,7 +164,8 @@ def profile_engine(
         contexts: ladder of cached positions for the item sweeps.
         verify_contexts: contexts of the verification grid.
         max_tokens: largest verification width, ``D + 1`` for draft length ``D``.
-        verify_tokens: verification widths to time (default ``1..max_tokens``).
+        verify_tokens: verification widths to time (default ``1..max_tokens`` plus
+            :data:`PLANNING_WIDTHS`).
         repeats: timed runs per measurement (median taken); warmup: untimed runs before.
         quick: a few-seconds profile (small ladders, 3 repeats); overrides the context
             ladders, not the widths (every width ``1..max_tokens`` unless ``verify_tokens``).
@@ -174,7 +183,8 @@ def profile_engine(
     if quick:
         contexts, verify_contexts = QUICK_CONTEXTS, QUICK_VERIFY_CONTEXTS
         repeats, warmup = min(repeats, 3), min(warmup, 1)
-    tokens = sorted({int(k) for k in (verify_tokens or range(1, max_tokens + 1))})
+    default_widths = [*range(1, max_tokens + 1), *PLANNING_WIDTHS]
+    tokens = sorted({int(k) for k in (verify_tokens or default_widths)})
     if not tokens or tokens[0] < 1:
         raise ValueError(f"verify_tokens must be positive, got {verify_tokens!r}")
     item_contexts = _clamped(contexts, engine, room=2)
@@ -264,6 +274,7 @@ def profile_engine(
 __all__ = [
     "DEFAULT_CONTEXTS",
     "DEFAULT_VERIFY_CONTEXTS",
+    "PLANNING_WIDTHS",
     "QUICK_CONTEXTS",
     "QUICK_VERIFY_CONTEXTS",
     "profile_engine",

@@ -271,6 +271,9 @@ class _Run:
             )
         n = self.prompt.numel()
         cache.reserve(n + self.max_new_tokens + decoder.max_draft_length + 1)
+        # The prompt and committed tokens, for planners that read the token ids.
+        self.sequence = torch.empty(n + self.max_new_tokens, dtype=torch.long)
+        self.sequence[:n] = self.prompt.cpu()
 
         seed = min(PREFILL_WINDOW_TOKENS, n) if self.uses_window else None
         out = engine.forward(
@@ -305,6 +308,7 @@ class _Run:
                 sampling=self.params,
                 round_index=round_index,
                 remaining_tokens=self.max_new_tokens - len(self.output),
+                tokens=self.sequence[: self.prompt.numel() + len(self.output)],
             )
             plan = decoder.planner.plan(context)
             stats.plan_time_s += self._now() - plan_start
@@ -360,6 +364,8 @@ class _Run:
             if token in self.stop_ids:
                 self.stats.stop_reason = "eos"
                 break
+        start = self.prompt.numel() + len(self.output)
+        self.sequence[start : start + len(kept)] = torch.tensor(kept, dtype=torch.long)
         self.output.extend(kept)
         if self.streamer is not None and kept:
             self.streamer.put(torch.tensor(kept, dtype=torch.long))  # type: ignore[no-untyped-call]

@@ -60,6 +60,12 @@ class ForwardOutput:
     points: torch.Tensor | None = None
 
 
+def _kept(hidden: torch.Tensor, keep: slice, copy: bool) -> torch.Tensor:
+    """``hidden[0, keep]``, copied when it is a small part of a large tensor."""
+    part = hidden[0, keep]
+    return part.clone() if copy else part
+
+
 def _check_supported(model: nn.Module) -> None:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -182,7 +188,9 @@ class SublayerEngine:
         if not self.small_row_linear or gate is None or up is None or down is None or act is None:
             result: torch.Tensor = mlp(x)
             return result
-        return self._project(down, act(self._project(gate, x)) * self._project(up, x))
+        hidden = act(self._project(gate, x))
+        hidden.mul_(self._project(up, x))  # in place: one (rows, d_ff) allocation fewer
+        return self._project(down, hidden)
 
     def _rotary(
         self, positions: torch.Tensor, like: torch.Tensor
@@ -320,17 +328,19 @@ class SublayerEngine:
         positions = torch.arange(start, start + q_len, device=self.device)
         cos, sin = self._rotary(positions, hidden)
         keep = slice(None) if capture_last is None else slice(max(0, q_len - capture_last), None)
-        points: list[torch.Tensor] = [hidden[0, keep]] if capture_points else []
+        # Slices of long inputs are copied so that the full (q, d) states can be freed.
+        copy = capture_last is not None and capture_last < q_len
+        points: list[torch.Tensor] = [_kept(hidden, keep, copy)] if capture_points else []
         executed = mask.executed if mask is not None else (True,) * self.num_items
         for layer_index in range(self.num_layers):
             if executed[2 * layer_index]:
                 hidden = self._attention_item(layer_index, hidden, start, cos, sin, cache)
             if capture_points:
-                points.append(hidden[0, keep])
+                points.append(_kept(hidden, keep, copy))
             if executed[2 * layer_index + 1]:
                 hidden = self._mlp_item(layer_index, hidden)
             if capture_points:
-                points.append(hidden[0, keep])
+                points.append(_kept(hidden, keep, copy))
         final = hidden[0]
         logits = self.logits(final if all_logits else final[-1:])
         stacked = torch.stack(points) if capture_points else None

@@ -6,6 +6,7 @@ import abc
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
+import torch
 
 from knapspec.registry import Registry
 from knapspec.sampling import SamplingParams
@@ -34,6 +35,8 @@ class PlanningContext:
         round_index: speculation rounds done in this generation call.
         remaining_tokens: tokens still to generate in this call (None = unknown); lets a
             planner judge whether an expensive search can pay for itself.
+        tokens: ``(m,)`` the prompt and every token committed so far, oldest first (None =
+            not given); e.g. for the knapsack planner's copy-evidence gate.
     """
 
     engine: SublayerEngine
@@ -46,6 +49,7 @@ class PlanningContext:
     sampling: SamplingParams
     round_index: int = 0
     remaining_tokens: int | None = None
+    tokens: torch.Tensor | None = None
 
 
 class Planner(abc.ABC):

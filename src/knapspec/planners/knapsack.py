@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from knapspec.planners.base import PLANNERS, Planner, PlanningContext
+from knapspec.planners.copying import copied_fraction
 from knapspec.planners.dp import (
     HiddenStateDPResult,
     additive_knapsack,
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from knapspec.model.engine import SublayerEngine
 
 Objective = Literal["tpt", "tpl"]
+SearchGate = Literal["always", "copy"]
 BoolArray = np.ndarray[Any, np.dtype[np.bool_]]
 FloatArray = np.ndarray[Any, np.dtype[np.float64]]
 
@@ -104,6 +106,20 @@ class KnapsackPlannerConfig:
         pareto_candidates: estimate α only for candidates not dominated in (score, cost).
         max_draft_length: cap on γ below the decoder's D (None: D).
         amortise_planning: charge the amortised planning time to speculative rounds in TPT.
+        min_predicted_speedup: a speculative plan must be predicted at least this much
+            faster than plain steps (TPT ratio); below it γ = 0 is kept. The margin covers
+            the cost model's and the proxy's error: a predicted 1.02x is a coin flip.
+        acceptance_pseudo_counts: α estimated on ``r`` window tokens is shrunk to
+            ``(r·α̂ + c/2) / (r + c)`` (c = 2: Laplace's rule of succession, a uniform
+            prior). The DP's window is only a few tokens on a CPU, and α̂ = 1 on 2 tokens
+            is weak evidence; 0 uses the raw estimate.
+        search_gate: ``"copy"`` runs a search only while the recent output is copied from
+            the context (:func:`~knapspec.planners.copying.copied_fraction` at least
+            ``min_copied_fraction``), the regime where layer-skipping drafts are accepted
+            often enough to pay on a CPU; elsewhere plain steps cost nothing to keep.
+            ``"always"`` searches whenever the re-planning policy triggers (the ablation).
+        copy_ngram, copy_recent_tokens, min_copied_fraction: the gate's n-gram length,
+            scored tokens and threshold.
         context_growth, acceptance_drift, drift_min_rounds, acceptance_smoothing,
         every_rounds, max_planning_fraction, prior_trials, max_backoff: the re-planning policy
             (:class:`~knapspec.planners.replan.ReplanConfig`).
@@ -124,6 +140,14 @@ class KnapsackPlannerConfig:
         default=None, validator=attrs.validators.optional(attrs.validators.ge(0))
     )
     amortise_planning: bool = True
+    min_predicted_speedup: float = attrs.field(default=1.05, validator=attrs.validators.ge(1.0))
+    acceptance_pseudo_counts: float = attrs.field(default=2.0, validator=attrs.validators.ge(0.0))
+    search_gate: SearchGate = attrs.field(
+        default="copy", validator=attrs.validators.in_(("always", "copy"))
+    )
+    copy_ngram: int = attrs.field(default=3, validator=attrs.validators.ge(1))
+    copy_recent_tokens: int = attrs.field(default=16, validator=attrs.validators.ge(1))
+    min_copied_fraction: float = attrs.field(default=0.5, validator=_unit_interval)
     context_growth: float | None = ReplanConfig().context_growth
     acceptance_drift: float | None = ReplanConfig().acceptance_drift
     drift_min_rounds: int = ReplanConfig().drift_min_rounds
@@ -202,6 +226,7 @@ class KnapsackPlanner(Planner):
         self.policy = ReplanPolicy(self.config.replan_config())
         self.last_search_: KnapsackSearch | None = None
         self.last_reason_: ReplanReason | None = None
+        self.gated_rounds_ = 0
 
     @classmethod
     def from_config(cls, config: Any, engine: SublayerEngine) -> KnapsackPlanner:
@@ -215,6 +240,7 @@ class KnapsackPlanner(Planner):
     def reset(self) -> None:
         self.policy.reset()
         self.last_reason_ = None
+        self.gated_rounds_ = 0
 
     def update(self, outcome: StepOutcome) -> None:
         self.policy.observe(outcome)
@@ -225,6 +251,11 @@ class KnapsackPlanner(Planner):
             self.policy.reset()  # a plan for another model: start over
             current = None
         reason = self.policy.decide(context.context_length, context.window is not None)
+        if reason is not None and not self._search_worthwhile(context):
+            # No sign that drafts would be accepted: keep the current plan, look again next
+            # round (the gate reads token ids only, it is free).
+            self.gated_rounds_ += 1
+            reason = None
         self.last_reason_ = reason
         if reason is None:
             if current is None:
@@ -239,8 +270,13 @@ class KnapsackPlanner(Planner):
         search = self.search(context)
         seconds = time.perf_counter() - started
         self.last_search_ = attrs.evolve(search, seconds=seconds)
+        step = (
+            context.cost_model.step_cost(context.context_length)
+            if context.cost_model is not None
+            else None
+        )
         self.policy.record_plan(
-            search.plan, context.context_length, seconds, search.breakeven_acceptance
+            search.plan, context.context_length, seconds, search.breakeven_acceptance, step
         )
         return search.plan
 
@@ -360,6 +396,13 @@ class KnapsackPlanner(Planner):
         )
         grid = grid_search(alphas, subset, allow_no_speculation=config.allow_no_speculation)
         chosen = candidates[grid.candidate]
+        if (
+            tpt
+            and config.allow_no_speculation
+            and grid.draft_length > 0
+            and grid.objective * float(costs.verify[0]) < config.min_predicted_speedup
+        ):
+            grid = attrs.evolve(grid, candidate=0, draft_length=0)
         if grid.draft_length == 0:
             result = no_speculation(shortcut=False, dp=dp)
             return attrs.evolve(result, candidates=candidates, alphas=tuple(alphas), grid=grid)
@@ -402,6 +445,17 @@ class KnapsackPlanner(Planner):
             breakeven,
         )
 
+    def _search_worthwhile(self, context: PlanningContext) -> bool:
+        """The search gate: True unless ``search_gate="copy"`` and the recent output is not
+        copied from the context (always True when the context carries no token ids)."""
+        config = self.config
+        if config.search_gate == "always" or context.tokens is None:
+            return True
+        fraction = copied_fraction(
+            context.tokens, ngram=config.copy_ngram, recent=config.copy_recent_tokens
+        )
+        return fraction >= config.min_copied_fraction
+
     def _search_affordable(
         self, context: PlanningContext, cost_model: CostModel, rows: int
     ) -> bool:
@@ -434,11 +488,14 @@ class KnapsackPlanner(Planner):
                 raise RuntimeError(
                     f"proxy returned {len(estimates)} estimates for {len(candidates)} candidates"
                 )
-            return [float(e.alpha) for e in estimates]
-        with torch.inference_mode():
-            predicted = context.engine.logits(states).argmax(dim=-1)  # (K, r)
-        target = dp.window.target_tokens.to(predicted.device)
-        return [float(x) for x in (predicted == target).float().mean(dim=-1).tolist()]
+            raw = [float(e.alpha) for e in estimates]
+        else:
+            with torch.inference_mode():
+                predicted = context.engine.logits(states).argmax(dim=-1)  # (K, r)
+            target = dp.window.target_tokens.to(predicted.device)
+            raw = [float(x) for x in (predicted == target).float().mean(dim=-1).tolist()]
+        tokens, counts = float(dp.window.size), self.config.acceptance_pseudo_counts
+        return [(tokens * alpha + counts / 2) / (tokens + counts) for alpha in raw]
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -16,7 +16,12 @@ its acceptance is credibly below its *break-even* acceptance — the α at which
 tokens-per-time equals a plain step's. The estimate is the posterior mean of a Beta prior
 worth ``prior_trials`` trials at the predicted α, updated with the observed accepts and
 trials; a rejected first round of a plan predicted at α = 0.83 with break-even 0.7 is
-enough. Every search that ends at γ = 0 and every abandoned plan doubles the periodic
+enough. Independently of any model, a plan is also abandoned when its *measured* speed over
+its first ``drift_min_rounds`` speculative rounds or more (committed tokens per second of
+draft + verify time) is below the measured speed of plain steps (or, before any was
+measured, the cost model's): the wall clock has the last word.
+
+Every search that ends at γ = 0 and every abandoned plan doubles the periodic
 interval and the time budget's wait (**back-off**, up to ``max_backoff`` doublings), so that
 on text where speculation does not pay the planner soon stops paying for searches; a plan
 that survives its first ``drift_min_rounds`` rounds resets the back-off.
@@ -120,6 +125,10 @@ class ReplanPolicy:
         self.trials_total_: int = 0
         self.backoff_: int = 0
         self.abandoned_: int = 0
+        self.spec_tokens_: int = 0
+        self.spec_seconds_: float = 0.0
+        self.plain_step_seconds_: float | None = None
+        self.measured_plain_: bool = False
 
     # ------------------------------------------------------------------ feedback
     def record_plan(
@@ -128,13 +137,19 @@ class ReplanPolicy:
         context_length: int,
         seconds: float,
         breakeven_acceptance: float | None = None,
+        plain_step_seconds: float | None = None,
     ) -> None:
         """A new plan was made at ``context_length``, taking ``seconds``.
 
         Args:
             breakeven_acceptance: the α below which the plan is slower than plain steps
                 (None: unknown, only the drift rule can abandon it).
+            plain_step_seconds: the cost model's plain step at ``context_length``, the
+                reference speed until plain steps have been measured.
         """
+        if plain_step_seconds is not None and not self.measured_plain_:
+            self.plain_step_seconds_ = plain_step_seconds
+        self.spec_tokens_, self.spec_seconds_ = 0, 0.0
         if plan.draft_length == 0:
             self._back_off()
         self.plan_ = plan
@@ -157,9 +172,21 @@ class ReplanPolicy:
         both counts are smoothed by the same EMA.
         """
         self.rounds_since_plan_ += 1
-        self.seconds_since_plan_ += max(0.0, outcome.draft_time_s + outcome.verify_time_s)
+        round_seconds = max(0.0, outcome.draft_time_s + outcome.verify_time_s)
+        self.seconds_since_plan_ += round_seconds
         if outcome.drafted <= 0:
+            if outcome.plan.draft_length == 0 and round_seconds > 0:
+                # A plain step: the reference speed every speculative plan must beat.
+                previous = self.plain_step_seconds_ if self.measured_plain_ else None
+                self.plain_step_seconds_ = (
+                    round_seconds
+                    if previous is None
+                    else previous + 0.2 * (round_seconds - previous)
+                )
+                self.measured_plain_ = True
             return
+        self.spec_tokens_ += outcome.accepted + 1
+        self.spec_seconds_ += round_seconds
         trials = outcome.accepted + (1 if outcome.accepted < outcome.drafted else 0)
         if trials == 0:
             return
@@ -172,7 +199,11 @@ class ReplanPolicy:
             self.accepted_ema_ += weight * (outcome.accepted - self.accepted_ema_)
             self.trials_ema_ += weight * (trials - self.trials_ema_)
         self.speculative_rounds_ += 1
-        if self.speculative_rounds_ == self.config.drift_min_rounds and not self.below_breakeven():
+        if (
+            self.speculative_rounds_ == self.config.drift_min_rounds
+            and not self.below_breakeven()
+            and not self.slower_than_plain()
+        ):
             self.backoff_ = 0  # the plan survived its trial: speculation pays here
 
     def _back_off(self) -> None:
@@ -191,6 +222,19 @@ class ReplanPolicy:
         if trials <= 0:
             return None
         return (prior * plan.predicted_acceptance + self.accepted_total_) / trials
+
+    def slower_than_plain(self) -> bool:
+        """Whether the current plan's measured tokens per second, over at least
+        ``drift_min_rounds`` speculative rounds, is below plain decoding's."""
+        plain = self.plain_step_seconds_
+        return (
+            plain is not None
+            and self.plan_ is not None
+            and self.plan_.draft_length > 0
+            and self.speculative_rounds_ >= self.config.drift_min_rounds
+            and self.spec_seconds_ > 0
+            and self.spec_tokens_ / self.spec_seconds_ < 1.0 / plain
+        )
 
     def below_breakeven(self) -> bool:
         """Whether the current plan's posterior α fell below its break-even α (after at
@@ -237,7 +281,7 @@ class ReplanPolicy:
         config = self.config
         plan = self.plan_
         observed = self.observed_acceptance
-        if self.below_breakeven():
+        if self.below_breakeven() or self.slower_than_plain():
             return True
         return (
             config.acceptance_drift is not None
@@ -255,6 +299,7 @@ class ReplanPolicy:
         self.speculative_rounds_ = 0
         self.accepted_ema_ = self.trials_ema_ = None
         self.accepted_total_ = self.trials_total_ = 0
+        self.spec_tokens_, self.spec_seconds_ = 0, 0.0
         self.breakeven_ = None
 
     def abandon_plan(self, fallback: DraftPlan) -> None:
