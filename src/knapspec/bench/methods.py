@@ -182,6 +182,22 @@ def ablation_methods(profile_path: Path | None) -> tuple[MethodSpec, ...]:
             description="cosine proxy (top-1 agreement, Lemma 4.1 floor) instead of Monte-Carlo",
         ),
         MethodSpec(
+            "knapspec-gate-off",
+            {"planner": {"name": knapsack, "search_gate": "always"}},
+            description="searches whenever the policy triggers, not only on copied output",
+        ),
+        MethodSpec(
+            "knapspec-raw-alpha",
+            {
+                "planner": {
+                    "name": knapsack,
+                    "acceptance_pseudo_counts": 0.0,
+                    "min_predicted_speedup": 1.0,
+                }
+            },
+            description="raw α of the DP window, no small-sample prior, no 5 % margin",
+        ),
+        MethodSpec(
             "knapspec-no-fallback",
             {"planner": {"name": knapsack, "allow_no_speculation": False}},
             description="without the γ = 0 fallback",

@@ -57,10 +57,10 @@ widths such as 1, 2, 6, 11 would interpolate straight across. At the default
 
 PLANNING_WIDTHS: tuple[int, ...] = (16, 32, 64)
 """Extra verification widths beyond ``max_tokens``: one knapsack DP runs every item over
-``live budgets × window tokens`` rows (17 × 2 = 34 by default), so the planner prices a
+``live budgets × window tokens`` rows (13 × 2 = 26 by default), so the planner prices a
 search as ``t_verify(rows, n)``; timing these widths makes that an interpolation between
 measured points instead of an extrapolation of the small-width staircase (which overprices
-34 rows about 2x)."""
+26 rows about 2x)."""
 
 
 def _synchronizer(device: torch.device) -> Callable[[], None]:

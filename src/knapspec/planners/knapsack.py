@@ -91,13 +91,15 @@ class KnapsackPlannerConfig:
         tau: DP pruning threshold τ on the value (cosine); None disables pruning.
         budget_fraction: the half-budget bound — skip at most this fraction of the weight.
         max_budget: an absolute cap on the skipped weight (None: only the fraction). The
-            default 16 bounds the DP's batch: on small models acceptance collapses long
-            before half the weight is skipped (SmolLM2: α ≈ 0.5-0.7 at 10 items).
+            default 12 bounds the DP's batch: on small models acceptance collapses long
+            before half the weight is skipped (SmolLM2: α ≈ 0.5-0.7 at 10 items; the
+            oracle's best masks skip 6-8 items).
         max_window_tokens: the DP uses at most the last this-many window tokens.
         max_batch_rows: bound on ``live budgets × window tokens`` per batched item call; the
             window is shortened (down to one token) to respect it. None: no bound. One DP
-            costs about a full forward over this many tokens; 48 keeps it near 3-5 decode
-            steps on a 2-core CPU, so it fits the planning budget of a 128-token answer.
+            costs about a full forward over this many tokens; 32 (13 budgets × 2 tokens
+            with the default ``max_budget``) keeps it near 4-5 decode steps on a 2-core CPU,
+            so it fits the planning budget of a 128-token answer.
         decoupled: attention and MLP are separate items (KnapSpec); False ties each layer
             into one item (the ablation, CLaSp-like structure with KnapSpec's costs).
         objective: ``"tpt"`` (tokens per second, needs a cost model) or ``"tpl"`` (DEL's
@@ -127,9 +129,9 @@ class KnapsackPlannerConfig:
 
     tau: float | None = attrs.field(default=0.5, validator=_probability)
     budget_fraction: float = attrs.field(default=0.5, validator=_unit_interval)
-    max_budget: int | None = attrs.field(default=16, validator=_optional_ge0)
+    max_budget: int | None = attrs.field(default=12, validator=_optional_ge0)
     max_window_tokens: int = attrs.field(default=4, validator=attrs.validators.ge(1))
-    max_batch_rows: int | None = attrs.field(default=48, validator=_optional_ge1)
+    max_batch_rows: int | None = attrs.field(default=32, validator=_optional_ge1)
     decoupled: bool = True
     objective: Objective = attrs.field(
         default="tpt", validator=attrs.validators.in_(("tpt", "tpl"))
