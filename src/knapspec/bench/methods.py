@@ -134,7 +134,13 @@ def default_methods() -> tuple[MethodSpec, ...]:
         ),
         MethodSpec(
             "static",
-            {"planner": {"name": "knapsack", "allow_no_speculation": False}},
+            {
+                "planner": {
+                    "name": "knapsack",
+                    "allow_no_speculation": False,
+                    "search_gate": "always",
+                }
+            },
             freeze_plan=True,
             description="the knapsack planner's first plan on a set-up prompt, frozen",
         ),
@@ -199,8 +205,8 @@ def ablation_methods(profile_path: Path | None) -> tuple[MethodSpec, ...]:
         ),
         MethodSpec(
             "knapspec-no-fallback",
-            {"planner": {"name": knapsack, "allow_no_speculation": False}},
-            description="without the γ = 0 fallback",
+            {"planner": {"name": knapsack, "allow_no_speculation": False, "search_gate": "always"}},
+            description="without the γ = 0 fallback (and without the search gate)",
         ),
     ]
     if profile_path is not None:
