@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knapspec.planners.copying import copied_fraction
+from knapspec.planners.copying import CopyTracker, copied_fraction
 
 
 def brute_force(tokens: list[int], ngram: int, recent: int) -> float:
@@ -49,3 +49,31 @@ def test_bad_arguments() -> None:
         copied_fraction(torch.arange(5), ngram=0)
     with pytest.raises(ValueError, match="1-D"):
         copied_fraction(torch.zeros(2, 3, dtype=torch.long))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 3), max_size=40),
+    cuts=st.lists(st.integers(0, 40), max_size=6),
+    ngram=st.integers(1, 3),
+    recent=st.integers(1, 10),
+)
+def test_the_incremental_tracker_equals_the_batch_function(
+    tokens: list[int], cuts: list[int], ngram: int, recent: int
+) -> None:
+    """Fed growing prefixes (as the decoder does), the tracker returns the batch answer."""
+    tracker = CopyTracker(ngram, recent)
+    sequence = torch.tensor(tokens, dtype=torch.long)
+    for cut in [*sorted(c for c in cuts if c <= len(tokens)), len(tokens)]:
+        prefix = sequence[:cut]
+        expected = copied_fraction(prefix, ngram=ngram, recent=recent)
+        assert tracker.update(prefix) == pytest.approx(expected)
+
+
+def test_the_tracker_starts_over_on_another_sequence() -> None:
+    tracker = CopyTracker(2, 4)
+    copied = torch.tensor([1, 2, 3, 4, 1, 2, 3, 4])
+    # grams ending at the last 4 tokens: (3,4,1) (4,1,2) new, (1,2,3) (2,3,4) repeated
+    assert tracker.update(copied) == copied_fraction(copied, ngram=2, recent=4) == 0.5
+    fresh = torch.tensor([9, 8, 7, 6, 5])
+    assert tracker.update(fresh) == copied_fraction(fresh, ngram=2, recent=4) == 0.0

@@ -10,6 +10,8 @@ prompt-lookup decoding would have drafted correctly. The knapsack planner's sear
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 
@@ -44,4 +46,45 @@ def copied_fraction(tokens: torch.Tensor, *, ngram: int = 3, recent: int = 16) -
     return float(hits.float().mean())
 
 
-__all__ = ["copied_fraction"]
+class CopyTracker:
+    """:func:`copied_fraction` maintained incrementally as a sequence grows.
+
+    Each call processes only the tokens added since the previous one (a set of the grams
+    seen so far and a ring of the last ``recent`` hit flags), so a decode step costs a few
+    microseconds instead of a scan of the whole context. A sequence that is not an
+    extension of the last one (a new prompt) starts over.
+
+    Args:
+        ngram: tokens of left context that must match (>= 1).
+        recent: how many of the last tokens are scored (>= 1).
+    """
+
+    def __init__(self, ngram: int = 3, recent: int = 16) -> None:
+        if ngram < 1 or recent < 1:
+            raise ValueError(f"ngram and recent must be >= 1, got ngram={ngram}, recent={recent}")
+        self.ngram = ngram
+        self.recent = recent
+        self.reset()
+
+    def reset(self) -> None:
+        self._tokens: list[int] = []
+        self._seen: set[tuple[int, ...]] = set()
+        self._hits: deque[bool] = deque(maxlen=self.recent)
+
+    def update(self, tokens: torch.Tensor) -> float:
+        """The copied fraction of ``tokens (n,)``, equal to ``copied_fraction(tokens, ...)``."""
+        known = len(self._tokens)
+        if tokens.numel() < known or (known and int(tokens[known - 1]) != self._tokens[-1]):
+            self.reset()
+            known = 0
+        self._tokens.extend(tokens[known:].tolist())
+        span = self.ngram + 1
+        for end in range(max(known, span - 1), len(self._tokens)):
+            gram = tuple(self._tokens[end - span + 1 : end + 1])
+            if end >= span:  # the first gram has no earlier one to match
+                self._hits.append(gram in self._seen)
+            self._seen.add(gram)
+        return sum(self._hits) / len(self._hits) if self._hits else 0.0
+
+
+__all__ = ["CopyTracker", "copied_fraction"]

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from knapspec.planners.base import PLANNERS, Planner, PlanningContext
-from knapspec.planners.copying import copied_fraction
+from knapspec.planners.copying import CopyTracker
 from knapspec.planners.dp import (
     HiddenStateDPResult,
     additive_knapsack,
@@ -116,7 +116,7 @@ class KnapsackPlannerConfig:
             prior). The DP's window is only a few tokens on a CPU, and α̂ = 1 on 2 tokens
             is weak evidence; 0 uses the raw estimate.
         search_gate: ``"copy"`` runs a search only while the recent output is copied from
-            the context (:func:`~knapspec.planners.copying.copied_fraction` at least
+            the context (:class:`~knapspec.planners.copying.CopyTracker` at least
             ``min_copied_fraction``), the regime where layer-skipping drafts are accepted
             often enough to pay on a CPU; elsewhere plain steps cost nothing to keep.
             ``"always"`` searches whenever the re-planning policy triggers (the ablation).
@@ -229,6 +229,7 @@ class KnapsackPlanner(Planner):
         self.last_search_: KnapsackSearch | None = None
         self.last_reason_: ReplanReason | None = None
         self.gated_rounds_ = 0
+        self._copying = CopyTracker(self.config.copy_ngram, self.config.copy_recent_tokens)
 
     @classmethod
     def from_config(cls, config: Any, engine: SublayerEngine) -> KnapsackPlanner:
@@ -243,6 +244,7 @@ class KnapsackPlanner(Planner):
         self.policy.reset()
         self.last_reason_ = None
         self.gated_rounds_ = 0
+        self._copying.reset()
 
     def update(self, outcome: StepOutcome) -> None:
         self.policy.observe(outcome)
@@ -453,10 +455,7 @@ class KnapsackPlanner(Planner):
         config = self.config
         if config.search_gate == "always" or context.tokens is None:
             return True
-        fraction = copied_fraction(
-            context.tokens, ngram=config.copy_ngram, recent=config.copy_recent_tokens
-        )
-        return fraction >= config.min_copied_fraction
+        return self._copying.update(context.tokens) >= config.min_copied_fraction
 
     def _search_affordable(
         self, context: PlanningContext, cost_model: CostModel, rows: int
