@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from knapspec.bench.timing import median_seconds
 from knapspec.model.kernels import linear
 
 #: (name, out_features, in_features) of SmolLM2-135M's projections.
@@ -34,14 +33,8 @@ ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 11, 16)
 
 
 def median_ms(call: Callable[[], object], repeats: int) -> float:
-    for _ in range(3):
-        call()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(samples)
+    """Median milliseconds of ``call`` (the harness's own timer)."""
+    return 1e3 * median_seconds(call, torch.device("cpu"), repeats=repeats, warmup=3)
 
 
 def main() -> None:

@@ -3,10 +3,13 @@
 A decode step multiplies every weight matrix by 1 row; verification by ``k ≤ D + 1``
 rows. On CPU, ``F.linear(x, W)`` (``x @ W.T``) sends such products to kernels that
 re-read ``W`` for every row: on a 2-core EPYC with SmolLM2's ``49152 × 576`` LM head,
-``F.linear`` takes 6.9 ms for 1 row, 14.8 ms for 2 and 20.7 ms for 3. The same product
-computed as ``(W @ x.T).T`` lets the BLAS stream ``W`` once for up to four rows: 2.5 ms
-for 2 rows, 2.7 ms for 4 (``benchmarks/small_row_linear.py``). One row and three rows
-fall back to slower paths, so they are padded with zero rows to two and four.
+``F.linear`` takes 7.3 ms for 1 row, 15.3 ms for 2 and 22.2 ms for 3. The same product
+computed as ``(W @ x.T).T`` lets the BLAS stream ``W`` once for up to four rows: 2.4-2.9
+ms for 1-4 rows (``benchmarks/small_row_linear.py``, ``results/engine/
+small_row_linear.jsonl``). One row and three rows fall back to slower paths, so they are
+padded with zero rows to two and four. On small cache-resident matrices in isolation the
+kernel is slower at 1 and 6-11 rows (0.7-0.85x); in the model, where every weight streams
+from memory, a whole decode step is 1.6x faster.
 
 Only the order of the floating-point summation differs from ``F.linear`` (as it does
 between any two BLAS kernels), so outputs agree to rounding.
