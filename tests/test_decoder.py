@@ -266,3 +266,41 @@ def test_every_registered_planner_is_lossless(
     prompt = _prompt(seed, prompt_length)
     result = decoder.generate(prompt, max_new_tokens=NEW_TOKENS)
     assert torch.equal(result.tokens, greedy_reference(model, prompt, NEW_TOKENS))
+
+
+class _WindowChoice(AutoregressivePlanner):
+    """Plain steps that ask for the reference window on the rounds in ``wanted``."""
+
+    uses_window = True
+
+    def __init__(self, wanted: set[int]) -> None:
+        self.wanted = wanted
+        self.asked: list[int] = []
+        self.windows: list[tuple[bool, int | None]] = []
+
+    def plan(self, context: PlanningContext) -> DraftPlan:
+        window = context.window
+        self.windows.append((context.has_window, None if window is None else window.start))
+        return super().plan(context)
+
+    def wants_window(self, tokens: torch.Tensor) -> bool:
+        self.asked.append(tokens.numel())
+        return len(self.asked) - 1 in self.wanted
+
+
+def test_the_window_is_recorded_only_on_the_rounds_the_planner_asks() -> None:
+    model = tiny_model("llama")
+    prompt = _prompt(3, 12)
+    # Asked before the prefill (index 0) and before each verify pass; record rounds 2-4 only.
+    planner = _WindowChoice(wanted={3, 4, 5})
+    decoder = SpeculativeDecoder(model, planner=planner, proxy=None, cost_model=None)
+    result = decoder.generate(prompt, max_new_tokens=10)
+    assert torch.equal(result.tokens, greedy_reference(model, prompt, 10))
+    # The planner saw the committed sequence: the prompt, then one more token per round.
+    assert planner.asked == list(range(12, 12 + 10))
+    # No window before round 3; fresh windows in rounds 3-5; stale (kept, not fresh) after.
+    fresh = [has for has, _ in planner.windows]
+    assert fresh == [False, False, False, True, True, True, False, False, False]
+    starts = {start for _, start in planner.windows if start is not None}
+    assert starts == {14}  # the rounds recorded contiguously from position 14 on
+    assert decoder._window.end == 17

@@ -8,6 +8,7 @@ output and point ``k + 1`` is the residual stream after item ``k``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from enum import StrEnum
 
@@ -160,8 +161,18 @@ class DraftPlan:
 
     @classmethod
     def autoregressive(cls, num_layers: int, source: str = "fallback") -> DraftPlan:
-        """The gamma = 0 plan: no speculation."""
-        return cls(SublayerMask.full(num_layers), 0, source=source)
+        """The gamma = 0 plan: no speculation.
+
+        Plans are immutable, so one instance per ``(num_layers, source)`` is shared: planners
+        return it every plain round, and building a 2L-item mask each time showed up in the
+        decode loop's profile.
+        """
+        return _autoregressive_plan(num_layers, source)
+
+
+@functools.lru_cache(maxsize=64)
+def _autoregressive_plan(num_layers: int, source: str) -> DraftPlan:
+    return DraftPlan(SublayerMask.full(num_layers), 0, source=source)
 
 
 @attrs.frozen

@@ -59,9 +59,11 @@ class WindowBuffer:
         self.rounds = rounds
         self.max_tokens = max_tokens
         self._chunks: deque[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = deque()
+        self._assembled: ReferenceWindow | None = None  # window() since the last change
 
     def clear(self) -> None:
         self._chunks.clear()
+        self._assembled = None
 
     def push(
         self, points: torch.Tensor, token_ids: torch.Tensor, target_tokens: torch.Tensor, start: int
@@ -80,14 +82,32 @@ class WindowBuffer:
         self._chunks.append((points, token_ids, target_tokens, start))
         while len(self._chunks) > self.rounds:
             self._chunks.popleft()
+        self._assembled = None
 
     def __len__(self) -> int:
         return sum(int(c[0].shape[1]) for c in self._chunks)
 
-    def window(self) -> ReferenceWindow | None:
-        """The current window, or None before anything was committed."""
+    @property
+    def end(self) -> int | None:
+        """Position after the last buffered token (None when empty)."""
         if not self._chunks:
             return None
+        points, _, _, start = self._chunks[-1]
+        return start + int(points.shape[1])
+
+    def window(self) -> ReferenceWindow | None:
+        """The current window, or None before anything was committed.
+
+        Assembled (one concatenation) on the first call after a change and reused until
+        the next :meth:`push` or :meth:`clear`.
+        """
+        if not self._chunks:
+            return None
+        if self._assembled is None:
+            self._assembled = self._assemble()
+        return self._assembled
+
+    def _assemble(self) -> ReferenceWindow:
         points = torch.cat([c[0] for c in self._chunks], dim=1)
         token_ids = torch.cat([c[1] for c in self._chunks])
         target = torch.cat([c[2] for c in self._chunks])

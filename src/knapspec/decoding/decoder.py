@@ -275,13 +275,14 @@ class _Run:
         self.sequence = torch.empty(n + self.max_new_tokens, dtype=torch.long)
         self.sequence[:n] = self.prompt.cpu()
 
-        seed = min(PREFILL_WINDOW_TOKENS, n) if self.uses_window else None
+        capture = self._wants_window()
+        seed = min(PREFILL_WINDOW_TOKENS, n) if capture else None
         out = engine.forward(
             self.prompt,
             0,
             cache,
             all_logits=False,
-            capture_points=self.uses_window,
+            capture_points=capture,
             capture_last=seed,
         )
         check_finite(out.logits, "prefill")
@@ -301,7 +302,7 @@ class _Run:
                 engine=engine,
                 cache=cache,
                 context_length=n,
-                window=decoder._window.window() if self.uses_window else None,
+                window=decoder._window if self.uses_window else None,
                 cost_model=decoder.cost_model,
                 proxy=decoder.proxy,
                 max_draft_length=decoder.max_draft_length,
@@ -323,7 +324,7 @@ class _Run:
             )
             drafts, draft_probs, draft_time = self._draft(plan, pending, n, max(0, budget))
             verdict, verify_time, points, target_next = self._verify(
-                pending, drafts, draft_probs, n
+                pending, drafts, draft_probs, n, self._wants_window()
             )
             accepted = verdict.accepted
             # Inputs at positions n .. n + accepted are now committed: keep their K/V only.
@@ -348,6 +349,13 @@ class _Run:
         tokens = torch.tensor(self.output, dtype=torch.long)
         sequences = torch.cat([self.prompt.cpu(), tokens]).unsqueeze(0)
         return GenerationResult(tokens=tokens, sequences=sequences, stats=stats)
+
+    def _wants_window(self) -> bool:
+        """Whether the next full-model pass records the reference window."""
+        if not self.uses_window:
+            return False
+        committed = self.prompt.numel() + len(self.output)
+        return self.decoder.planner.wants_window(self.sequence[:committed])
 
     def _finished(self) -> bool:
         if len(self.output) >= self.max_new_tokens:
@@ -408,13 +416,19 @@ class _Run:
         return drafts, (torch.stack(probs) if probs else None), total
 
     def _verify(
-        self, pending: int, drafts: list[int], draft_probs: torch.Tensor | None, n: int
+        self,
+        pending: int,
+        drafts: list[int],
+        draft_probs: torch.Tensor | None,
+        n: int,
+        capture: bool,
     ) -> tuple[Verdict, float, torch.Tensor | None, torch.Tensor | None]:
-        """One full forward over ``[pending, *drafts]``; returns the verdict and the window data."""
+        """One full forward over ``[pending, *drafts]``; returns the verdict and, with
+        ``capture``, the window data."""
         engine = self.engine
         verify_start = self._now()
         inputs = torch.tensor([pending, *drafts], device=engine.device)
-        out = engine.forward(inputs, n, self.cache, capture_points=self.uses_window)
+        out = engine.forward(inputs, n, self.cache, capture_points=capture)
         check_finite(out.logits, "verification")
         target_next = out.logits.argmax(dim=-1)
         if self.params.do_sample:

@@ -11,13 +11,13 @@ import torch
 from knapspec.registry import Registry
 from knapspec.sampling import SamplingParams
 from knapspec.types import DraftPlan, StepOutcome
+from knapspec.window import ReferenceWindow, WindowBuffer
 
 if TYPE_CHECKING:
     from knapspec.costmodels.base import CostModel
     from knapspec.model.cache import KVCache
     from knapspec.model.engine import SublayerEngine
     from knapspec.proxies.base import ValueProxy
-    from knapspec.window import ReferenceWindow
 
 
 @attrs.frozen
@@ -28,7 +28,9 @@ class PlanningContext:
         engine: the sublayer engine (run items functionally with ``run_item``/``run_masks``).
         cache: the verified KV cache; read-only for planners.
         context_length: committed tokens in the cache.
-        window: the reference window, or None before the first commit.
+        window: the reference window, or None before the first commit. The decoder passes
+            its :class:`~knapspec.window.WindowBuffer`, and the window is assembled only
+            when a planner reads it (most rounds do not: a search is rare), then reused.
         cost_model, proxy: the decoder's components.
         max_draft_length: D, the largest γ a plan may use.
         sampling: the decoder's sampling parameters (the proxy's α depends on them).
@@ -42,7 +44,7 @@ class PlanningContext:
     engine: SublayerEngine
     cache: KVCache
     context_length: int
-    window: ReferenceWindow | None
+    window_source: ReferenceWindow | WindowBuffer | None = attrs.field(alias="window")
     cost_model: CostModel | None
     proxy: ValueProxy | None
     max_draft_length: int
@@ -50,6 +52,24 @@ class PlanningContext:
     round_index: int = 0
     remaining_tokens: int | None = None
     tokens: torch.Tensor | None = None
+
+    @property
+    def window(self) -> ReferenceWindow | None:
+        """The reference window (built from the decoder's buffer on first read)."""
+        source = self.window_source
+        if isinstance(source, WindowBuffer):
+            return source.window()
+        return source
+
+    @property
+    def has_window(self) -> bool:
+        """Whether a window exists, without assembling it. From the decoder's buffer, only
+        a window that ends at the current context counts: one left from before rounds the
+        planner did not capture (:meth:`Planner.wants_window`) is still valid but stale."""
+        source = self.window_source
+        if isinstance(source, WindowBuffer):
+            return source.end == self.context_length
+        return source is not None
 
 
 class Planner(abc.ABC):
@@ -69,6 +89,17 @@ class Planner(abc.ABC):
     @abc.abstractmethod
     def plan(self, context: PlanningContext) -> DraftPlan:
         """The draft plan for the next round (γ = 0 means a plain autoregressive step)."""
+
+    def wants_window(self, tokens: torch.Tensor) -> bool:
+        """Whether the next full-model pass should record the reference window.
+
+        The decoder asks before the prefill and before every verify pass, with ``tokens
+        (m,)``: the prompt and every committed token. Recording costs about 1 % of a decode
+        step on a small model, so a planner that searches rarely may decline while no
+        search is near. After a gap the buffer starts over (it keeps contiguous rounds
+        only). Default: :attr:`uses_window`.
+        """
+        return self.uses_window
 
     def update(self, outcome: StepOutcome) -> None:  # noqa: B027 - optional hook
         """Feedback after a round (accepted count, timings). Default: ignore."""

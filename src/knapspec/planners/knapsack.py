@@ -251,12 +251,25 @@ class KnapsackPlanner(Planner):
     def update(self, outcome: StepOutcome) -> None:
         self.policy.observe(outcome)
 
+    def wants_window(self, tokens: torch.Tensor) -> bool:
+        """Record the window only when a search may come soon: under the copy gate, while
+        the copied fraction is at least half the gate's threshold (it cannot reach the
+        threshold without passing there first) or while a speculative plan runs (a re-plan
+        may follow). Elsewhere plain rounds skip the recording's ~1 % of a step."""
+        config = self.config
+        if config.search_gate == "always":
+            return True
+        current = self.policy.plan_
+        if current is not None and current.draft_length > 0:
+            return True
+        return self._copying.update(tokens) >= config.min_copied_fraction / 2
+
     def plan(self, context: PlanningContext) -> DraftPlan:
         current = self.policy.plan_
         if current is not None and current.mask.num_items != context.engine.num_items:
             self.policy.reset()  # a plan for another model: start over
             current = None
-        reason = self.policy.decide(context.context_length, context.window is not None)
+        reason = self.policy.decide(context.context_length, context.has_window)
         if reason is not None and not self._search_worthwhile(context):
             # No sign that drafts would be accepted: keep the current plan, look again next
             # round (the gate reads token ids only, it is free).
