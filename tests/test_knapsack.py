@@ -15,7 +15,6 @@ import torch
 
 from knapspec.costmodels.base import CostModel
 from knapspec.planners.base import PLANNERS, PlanningContext
-from knapspec.planners.copying import copied_fraction
 from knapspec.planners.knapsack import KnapsackPlanner, KnapsackPlannerConfig
 from knapspec.planners.objective import RoundCosts, grid_search
 from knapspec.planners.replan import ReplanConfig, ReplanPolicy, ReplanReason
@@ -423,20 +422,19 @@ def test_the_copy_gate_searches_only_while_the_output_is_copied() -> None:
     assert always.plans_made == 1
 
 
-def test_the_window_is_wanted_only_near_a_search() -> None:
+def test_the_window_is_wanted_only_for_a_search_that_is_due() -> None:
     copied = torch.tensor([*range(100, 140), 7, *range(100, 120)])
     fresh = torch.arange(1000, 1061)
     gated = KnapsackPlanner(KnapsackPlannerConfig(search_gate="copy"))
-    assert not gated.wants_window(fresh)
+    assert not gated.wants_window(fresh)  # no plan yet, but the gate is shut
     gated.reset()
-    assert gated.wants_window(copied)
-    # Half the gate's threshold: 6 of the last 16 tokens copied is 0.375 (the gate: 0.75).
-    for copied_tokens, wanted in ((6, True), (5, False)):
-        gated.reset()
-        tail = range(100, 100 + copied_tokens + 3)  # the first 3 only start the n-gram
-        tokens = torch.tensor([*range(100, 140), *range(2000, 2010), *tail])
-        assert copied_fraction(tokens) == copied_tokens / 16
-        assert gated.wants_window(tokens) is wanted
+    assert gated.wants_window(copied)  # the initial search is due and the gate is open
+    # A plain plan just made: no search is due (the policy waits for context growth or
+    # its interval), so even copied output is not recorded.
+    plain = DraftPlan.autoregressive(4, source="knapsack")
+    gated.policy.record_plan(plain, copied.numel(), 0.0, None, None)
+    assert gated.policy.decide(copied.numel() + 1, has_window=True) is None
+    assert not gated.wants_window(torch.cat([copied, torch.tensor([120])]))
     # A running speculative plan may be re-planned at any round: always record.
     gated.policy.record_plan(DraftPlan(SublayerMask.from_skipped(4, [1]), 2), 24, 0.0, None, None)
     assert gated.wants_window(torch.cat([fresh, torch.tensor([5000])]))

@@ -252,17 +252,20 @@ class KnapsackPlanner(Planner):
         self.policy.observe(outcome)
 
     def wants_window(self, tokens: torch.Tensor) -> bool:
-        """Record the window only when a search may come soon: under the copy gate, while
-        the copied fraction is at least half the gate's threshold (it cannot reach the
-        threshold without passing there first) or while a speculative plan runs (a re-plan
-        may follow). Elsewhere plain rounds skip the recording's ~1 % of a step."""
-        config = self.config
-        if config.search_gate == "always":
-            return True
+        """Record the window only for a search that is due: while a speculative plan runs
+        (a re-plan may follow any round), or when the re-planning policy would search at
+        the next round's context length and the copy gate is open. The search then runs
+        one round later, on a fresh window; every other round skips the recording (about
+        1 % of a step on SmolLM2-135M)."""
         current = self.policy.plan_
         if current is not None and current.draft_length > 0:
             return True
-        return self._copying.update(tokens) >= config.min_copied_fraction / 2
+        # After this pass, the cache holds at least every token in ``tokens``.
+        if self.policy.decide(tokens.numel(), has_window=True) is None:
+            return False
+        if self.config.search_gate == "always":
+            return True
+        return self._copying.update(tokens) >= self.config.min_copied_fraction
 
     def plan(self, context: PlanningContext) -> DraftPlan:
         current = self.policy.plan_
