@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -245,3 +246,42 @@ def test_cli_report_of_missing_run_fails_cleanly(
     assert "no such run directory" in capsys.readouterr().err
     assert cli_main(["--list"]) == 0
     assert "method knapspec-tied" in capsys.readouterr().out
+
+
+def test_agreement_growth_adds_the_unit_that_keeps_the_most_agreement() -> None:
+    from knapspec.bench.oracle import grow_by_agreement, teacher_forced_agreement
+    from knapspec.planners import AutoregressivePlanner
+    from knapspec.types import SublayerMask
+    from test_dp import tiny_engine
+
+    engine = tiny_engine(3, seed=1)
+    prompt = torch.randint(0, engine.vocab_size, (10,), generator=torch.Generator().manual_seed(1))
+    # The model's own greedy continuation, so that agreement differs between masks.
+    decoder = SpeculativeDecoder(engine, planner=AutoregressivePlanner())
+    continuation = decoder.generate(prompt, max_new_tokens=9).tokens
+    cache = engine.new_cache(32)
+    engine.forward(torch.cat([prompt, continuation[:-1]]), 0, cache, all_logits=False)
+    units = [(item,) for item in range(engine.num_items)]
+    order = grow_by_agreement(engine, cache, continuation, 10, units, 3, chunk=4)
+    assert [len(skipped) for skipped in order] == [1, 2, 3]
+    assert all(set(a) < set(b) for a, b in itertools.pairwise(order))
+    previous: tuple[int, ...] = ()
+    for chosen in order:  # brute force: no other single addition agrees more often
+        options = [previous + unit for unit in units if unit[0] not in previous]
+        masks = [SublayerMask.from_skipped(engine.num_layers, option) for option in options]
+        rates = teacher_forced_agreement(engine, cache, masks, continuation, 10, 4).float()
+        best = float(rates.mean(dim=1).max())
+        mine = (
+            teacher_forced_agreement(
+                engine,
+                cache,
+                [SublayerMask.from_skipped(engine.num_layers, chosen)],
+                continuation,
+                10,
+                4,
+            )
+            .float()
+            .mean()
+        )
+        assert float(mine) == pytest.approx(best)
+        previous = chosen

@@ -40,6 +40,10 @@ from knapspec.planners.dp import mean_cosine
 from knapspec.types import SublayerMask
 
 FAMILIES = ("attention", "mlp", "layers", "greedy")
+#: Also accepted: ``agreement``, any item, grown by teacher-forced top-1 agreement with the
+#: continuation instead of cosine (a stronger hindsight search, minutes per prompt; off in
+#: the bench, run by ``benchmarks/oracle_agreement_growth.py``).
+ALL_FAMILIES = (*FAMILIES, "agreement")
 
 
 def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
@@ -58,7 +62,8 @@ class OracleOptions:
         max_draft_length: D; γ ranges over ``0 .. D``.
         sizes: skipped-item counts at which each family's growth order is cut.
         families: which mask families to sweep (a subset of ``FAMILIES``).
-        calibration_tokens: continuation tokens the greedy growth scores cosine on.
+        calibration_tokens: continuation tokens the greedy growth scores on (cosine; for
+            ``agreement``, top-1 agreement with the next continuation token).
         max_tokens: continuation tokens used for acceptance (None: all).
         repeats: timed repeats per latency measurement (median).
     """
@@ -70,7 +75,7 @@ class OracleOptions:
     families: tuple[str, ...] = attrs.field(
         default=FAMILIES,
         converter=_str_tuple,
-        validator=attrs.validators.deep_iterable(attrs.validators.in_(FAMILIES)),
+        validator=attrs.validators.deep_iterable(attrs.validators.in_(ALL_FAMILIES)),
     )
     calibration_tokens: int = attrs.field(default=4, validator=attrs.validators.ge(1))
     max_tokens: int | None = None
@@ -170,6 +175,56 @@ def grow_by_cosine(
 
 
 @torch.inference_mode()
+def grow_by_agreement(
+    engine: SublayerEngine,
+    cache: KVCache,
+    calibration: torch.Tensor,
+    start: int,
+    units: Sequence[tuple[int, ...]],
+    max_items: int,
+    chunk: int,
+) -> list[tuple[int, ...]]:
+    """Greedy growth order of ``units`` by teacher-forced agreement (ties: by cosine).
+
+    Each step adds the unit whose removal keeps the most draft argmaxes equal to the next
+    calibration token (:func:`teacher_forced_agreement` with chunks of ``chunk`` tokens);
+    among equals, the one keeping the final hidden states closest (mean cosine).
+
+    Args:
+        calibration: ``(c + 1,)`` continuation tokens at positions ``start ..``; the cache
+            holds the full model's K/V for every position before ``start + c``.
+
+    Returns:
+        The skipped items after each growth step (nested, increasing).
+    """
+    inputs = calibration[:-1].to(engine.device)
+    positions = torch.arange(start, start + inputs.numel(), device=engine.device)
+    full = SublayerMask.full(engine.num_layers)
+    embedded = engine.embed_tokens(inputs)
+    reference = engine.run_masks([full], embedded, positions, cache, start)[0]
+    chosen: tuple[int, ...] = ()
+    remaining = list(units)
+    order: list[tuple[int, ...]] = []
+    while remaining:
+        fitting = [unit for unit in remaining if len(chosen) + len(unit) <= max_items]
+        if not fitting:
+            break
+        masks = [SublayerMask.from_skipped(engine.num_layers, chosen + unit) for unit in fitting]
+        agreement = (
+            teacher_forced_agreement(engine, cache, masks, calibration, start, chunk)
+            .float()
+            .mean(dim=1)
+        )
+        finals = engine.run_masks(masks, embedded, positions, cache, start)
+        cosine = mean_cosine(reference, finals)
+        best = max(range(len(fitting)), key=lambda i: (float(agreement[i]), float(cosine[i])))
+        chosen = tuple(sorted(chosen + fitting[best]))
+        remaining.remove(fitting[best])
+        order.append(chosen)
+    return order
+
+
+@torch.inference_mode()
 def teacher_forced_agreement(
     engine: SublayerEngine,
     cache: KVCache,
@@ -235,9 +290,20 @@ def oracle_frontier(
     calibration = continuation[: options.calibration_tokens]
     masks: list[tuple[str, SublayerMask]] = []
     for family in options.families:
-        order = grow_by_cosine(
-            engine, cache, calibration, n, _units(family, engine.num_layers), limit
-        )
+        if family == "agreement":
+            order = grow_by_agreement(
+                engine,
+                cache,
+                continuation[: options.calibration_tokens + 1],
+                n,
+                _units("greedy", engine.num_layers),
+                limit,
+                max_draft,
+            )
+        else:
+            order = grow_by_cosine(
+                engine, cache, calibration, n, _units(family, engine.num_layers), limit
+            )
         for skipped in order:
             if len(skipped) in options.sizes:
                 masks.append((family, SublayerMask.from_skipped(engine.num_layers, skipped)))
@@ -286,11 +352,13 @@ def oracle_frontier(
 
 
 __all__ = [
+    "ALL_FAMILIES",
     "FAMILIES",
     "OracleCandidate",
     "OracleOptions",
     "OracleResult",
     "expected_tokens_from_runs",
+    "grow_by_agreement",
     "grow_by_cosine",
     "oracle_frontier",
     "teacher_forced_agreement",

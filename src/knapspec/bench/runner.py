@@ -147,7 +147,6 @@ class Harness:
         self.run_dir = options.run_dir
         self.env = environment(model, options.threads)
         self.decoders: dict[str, SupportsGenerate] = {}
-        self.search_planners: dict[str, Any] = {}
         self.bar: Any = None
 
     # ------------------------------------------------------------------ files
@@ -212,8 +211,6 @@ class Harness:
             decoder = method.factory(self.engine, config)
             seconds = time.perf_counter() - start
             self.decoders[method.name] = decoder
-            if method.freeze_plan:
-                self.search_planners[method.name] = getattr(decoder, "planner", None)
             self._setup_line(method.name, "build", seconds, config=config.to_dict())
 
     def _setup_line(self, method: str, kind: str, seconds: float, **extra: Any) -> None:
@@ -229,16 +226,22 @@ class Harness:
             decoder = self.decoders[method.name]
             if not isinstance(decoder, SpeculativeDecoder):
                 raise TypeError(f"{method.name}: freeze_plan needs a SpeculativeDecoder")
-            decoder.planner = self.search_planners[method.name]
+            # A fresh searcher per scenario: what earlier scenarios taught the timed
+            # decoder's online cost model must not change the frozen plan.
             start = time.perf_counter()
-            result = decoder.generate(
+            searcher = method.factory(
+                self.engine, method_config(self.options.base_config, method.config)
+            )
+            if not isinstance(searcher, SpeculativeDecoder):
+                raise TypeError(f"{method.name}: freeze_plan needs a SpeculativeDecoder")
+            result = searcher.generate(
                 prompt.input_ids,
                 max_new_tokens=min(scenario.new_tokens, 32),
                 eos_token_id=self.eos,
                 sampling=scenario.sampling,
             )
             try:
-                frozen = freeze_first_plan(decoder, result)
+                frozen = freeze_first_plan(searcher, result)
             except RuntimeError as error:
                 raise RuntimeError(f"{method.name} on {scenario.name}: {error}") from error
             decoder.planner = frozen

@@ -432,7 +432,7 @@ class OnlineCalibratedCostModel(CostModel):
         Observations are absorbed in order by the next prediction (or once
         ``MAX_PENDING`` are queued), so a decode step pays for a list append: on the
         decoder's hot path, right after a forward, the RLS update's dozen numpy calls took
-        about 190 µs instead of the 11 µs they take in a loop (``docs/theory.md``). The
+        about 190 µs instead of the 11 µs they take in a loop (``docs/architecture.md``). The
         result is the same as absorbing each one at once.
         """
         if observation.kind == "draft":
