@@ -26,7 +26,7 @@ itself:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -136,6 +136,29 @@ def _units(family: str, num_layers: int) -> list[tuple[int, ...]]:
     return [(item,) for item in range(2 * num_layers)]
 
 
+def _grow(
+    num_layers: int,
+    units: Sequence[tuple[int, ...]],
+    max_items: int,
+    scores: Callable[[list[SublayerMask]], list[tuple[float, ...]]],
+) -> list[tuple[int, ...]]:
+    """Greedy growth: each step adds the fitting unit whose mask scores highest."""
+    chosen: tuple[int, ...] = ()
+    remaining = list(units)
+    order: list[tuple[int, ...]] = []
+    while remaining:
+        fitting = [unit for unit in remaining if len(chosen) + len(unit) <= max_items]
+        if not fitting:
+            break
+        masks = [SublayerMask.from_skipped(num_layers, chosen + unit) for unit in fitting]
+        values = scores(masks)
+        best = max(range(len(fitting)), key=lambda i: values[i])
+        chosen = tuple(sorted(chosen + fitting[best]))
+        remaining.remove(fitting[best])
+        order.append(chosen)
+    return order
+
+
 @torch.inference_mode()
 def grow_by_cosine(
     engine: SublayerEngine,
@@ -158,20 +181,12 @@ def grow_by_cosine(
     embedded = engine.embed_tokens(window_ids.to(engine.device))
     full = SublayerMask.full(engine.num_layers)
     reference = engine.run_masks([full], embedded, positions, cache, start)[0]
-    chosen: tuple[int, ...] = ()
-    remaining = list(units)
-    order: list[tuple[int, ...]] = []
-    while remaining:
-        fitting = [unit for unit in remaining if len(chosen) + len(unit) <= max_items]
-        if not fitting:
-            break
-        masks = [SublayerMask.from_skipped(engine.num_layers, chosen + unit) for unit in fitting]
+
+    def cosine(masks: list[SublayerMask]) -> list[tuple[float, ...]]:
         finals = engine.run_masks(masks, embedded, positions, cache, start)
-        best = int(mean_cosine(reference, finals).argmax())
-        chosen = tuple(sorted(chosen + fitting[best]))
-        remaining.remove(fitting[best])
-        order.append(chosen)
-    return order
+        return [(float(c),) for c in mean_cosine(reference, finals)]
+
+    return _grow(engine.num_layers, units, max_items, cosine)
 
 
 @torch.inference_mode()
@@ -202,26 +217,17 @@ def grow_by_agreement(
     full = SublayerMask.full(engine.num_layers)
     embedded = engine.embed_tokens(inputs)
     reference = engine.run_masks([full], embedded, positions, cache, start)[0]
-    chosen: tuple[int, ...] = ()
-    remaining = list(units)
-    order: list[tuple[int, ...]] = []
-    while remaining:
-        fitting = [unit for unit in remaining if len(chosen) + len(unit) <= max_items]
-        if not fitting:
-            break
-        masks = [SublayerMask.from_skipped(engine.num_layers, chosen + unit) for unit in fitting]
-        agreement = (
-            teacher_forced_agreement(engine, cache, masks, calibration, start, chunk)
-            .float()
-            .mean(dim=1)
-        )
+
+    def agreement_then_cosine(masks: list[SublayerMask]) -> list[tuple[float, ...]]:
+        rates = teacher_forced_agreement(engine, cache, masks, calibration, start, chunk)
         finals = engine.run_masks(masks, embedded, positions, cache, start)
-        cosine = mean_cosine(reference, finals)
-        best = max(range(len(fitting)), key=lambda i: (float(agreement[i]), float(cosine[i])))
-        chosen = tuple(sorted(chosen + fitting[best]))
-        remaining.remove(fitting[best])
-        order.append(chosen)
-    return order
+        cosines = mean_cosine(reference, finals)
+        return [
+            (float(rate), float(c))
+            for rate, c in zip(rates.float().mean(dim=1), cosines, strict=True)
+        ]
+
+    return _grow(engine.num_layers, units, max_items, agreement_then_cosine)
 
 
 @torch.inference_mode()
