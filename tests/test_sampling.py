@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -21,7 +21,7 @@ import knapspec.decoding.decoder as decoder_module
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.decoding.verify import Verdict, residual_distribution, verify_sampling
 from knapspec.planners import StaticPlanner
-from knapspec.sampling import SamplingParams, processed_probs
+from knapspec.sampling import SamplingParams, processed_probs, sample_token
 from knapspec.types import SublayerMask
 
 VOCAB = 6
@@ -177,7 +177,7 @@ def test_the_chi_square_check_has_power_against_a_lossy_sampler(
     model = _small_vocab_model()
     decoder = SpeculativeDecoder(model, planner=StaticPlanner(BAD_DRAFT, 2), confidence_threshold=0)
     joint = _exact_joint(model, PROMPT, params, LENGTH)
-    samples = _sample(decoder, PROMPT, params, RUNS // 3, LENGTH)
+    samples = _sample(decoder, PROMPT, params, RUNS, LENGTH)
     assert _chi_square_pvalue(samples, joint) < 1e-6
 
 
@@ -199,3 +199,99 @@ def test_seeded_sampling_is_reproducible() -> None:
     first = decoder.generate(torch.tensor(PROMPT), max_new_tokens=12, sampling=params).tokens
     second = decoder.generate(torch.tensor(PROMPT), max_new_tokens=12, sampling=params).tokens
     assert torch.equal(first, second)
+
+
+def _nucleus_oracle(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Top-k then top-p by the definition, in float64 with a full sort: ``(vocab,)`` probs."""
+    scores = logits.double() / params.temperature
+    order = torch.argsort(scores, descending=True)
+    keep = torch.zeros_like(scores, dtype=torch.bool)
+    candidates = order[: params.top_k] if params.top_k > 0 else order
+    mass = scores[candidates].softmax(-1)
+    total = 0.0
+    for token, probability in zip(candidates.tolist(), mass.tolist(), strict=True):
+        if total >= params.top_p:
+            break
+        keep[token] = True
+        total += probability
+    return scores.masked_fill(~keep, float("-inf")).softmax(-1)
+
+
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    vocab=st.integers(1, 3000),
+    scale=st.floats(0.05, 30.0),
+    temperature=st.floats(0.3, 2.0),
+    top_p=st.floats(0.01, 1.0),
+    top_k=st.sampled_from([0, 0, 1, 5, 100]),
+)
+def test_processed_probs_matches_the_sorted_definition(
+    seed: int, vocab: int, scale: float, temperature: float, top_p: float, top_k: int
+) -> None:
+    """The top-64-first nucleus search equals a full sort, however large the nucleus."""
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * scale
+    params = SamplingParams(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
+    expected = _nucleus_oracle(logits, params)
+    # A prefix whose mass is within float32 rounding of top_p may fall either way.
+    cumulative = torch.sort(expected[expected > 0], descending=True).values.cumsum(0)
+    assume(bool(((cumulative - top_p).abs() > 1e-5).all()))
+    actual = processed_probs(logits, params).double()
+    assert torch.equal(actual > 0, expected > 0)
+    torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_processed_probs_finds_each_rows_nucleus_in_a_batch() -> None:
+    """Rows with nuclei of 1, ~200 and ~2000 tokens share one call."""
+    generator = torch.Generator().manual_seed(7)
+    flat = torch.randn(3000, generator=generator) * 0.05
+    peaked = torch.randn(3000, generator=generator) * 40.0
+    middle = torch.randn(3000, generator=generator) * 4.0
+    logits = torch.stack([peaked, middle, flat])
+    params = SamplingParams(do_sample=True, temperature=1.0, top_p=0.8)
+    actual = processed_probs(logits, params)
+    sizes = (actual > 0).sum(-1).tolist()
+    assert sizes[0] < 10 and sizes[2] > 1000, sizes
+    for row, logits_row in zip(actual, logits, strict=True):
+        expected_row = _nucleus_oracle(logits_row, params)
+        torch.testing.assert_close(row.double(), expected_row, atol=1e-6, rtol=1e-5)
+
+
+def test_a_tie_at_the_nucleus_boundary_keeps_every_tied_token() -> None:
+    logits = torch.tensor([2.0, 1.0, 1.0, 1.0, -3.0])
+    probs = processed_probs(logits, SamplingParams(do_sample=True, top_p=0.6))
+    assert (probs[:4] > 0).all() and probs[4] == 0
+
+
+def test_sample_token_is_distributed_as_its_input_and_never_draws_a_zero() -> None:
+    probs = torch.tensor([0.0, 0.4, 0.0, 0.25, 0.2, 0.1, 0.05, 0.0])
+    generator = torch.Generator().manual_seed(3)
+    draws = 20_000
+    counts = Counter(sample_token(probs, generator) for _ in range(draws))
+    assert set(counts) <= {1, 3, 4, 5, 6}
+    live = [1, 3, 4, 5, 6]
+    observed = [counts[x] for x in live]
+    assert chisquare(observed, (probs[live] * draws).tolist()).pvalue > 1e-3
+    # The same check catches a sampler that is off by one token.
+    shifted = [counts[x] for x in [3, 4, 5, 6, 1]]
+    assert chisquare(shifted, (probs[live] * draws).tolist()).pvalue < 1e-6
+
+
+@given(
+    weights=st.lists(st.one_of(st.just(0.0), st.floats(1e-30, 1e3)), min_size=1, max_size=40),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_sample_token_only_draws_tokens_with_mass(weights: list[float], seed: int) -> None:
+    probs = torch.tensor(weights, dtype=torch.float32)
+    assume(bool((probs > 0).any()))
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(20):
+        assert probs[sample_token(probs, generator)] > 0
+
+
+def test_sample_token_handles_a_point_that_rounds_up_to_the_total(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """u * total can round up to total; the draw must still be a token with mass."""
+    probs = torch.tensor([0.3, 0.7, 0.0, 0.0])
+    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: torch.ones(1, dtype=torch.float64))
+    assert sample_token(probs) == 1

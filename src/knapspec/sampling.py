@@ -48,6 +48,10 @@ class SamplingParams:
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Target/draft distribution after temperature, top-k and top-p.
 
+    Top-p keeps, per row, the smallest set of most likely tokens whose mass reaches
+    ``top_p`` (the most likely token always stays; tokens tied with the last kept one stay
+    too).
+
     Args:
         logits: ``(..., vocab)`` raw logits.
 
@@ -59,14 +63,57 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
-        sorted_probs = sorted_scores.softmax(dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop_sorted = mass_before >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        scores = scores.masked_fill(drop, float("-inf"))
+        threshold = _nucleus_threshold(scores, params.top_p)
+        scores = scores.masked_fill(scores < threshold, float("-inf"))
     return scores.softmax(dim=-1)
 
 
-__all__ = ["SamplingParams", "processed_probs"]
+# Candidates examined first for the nucleus; a language model's nucleus is usually far
+# smaller, and a full sort of a 50k vocabulary costs ~3 ms on a CPU (a top-64 ~0.05 ms).
+_FIRST_NUCLEUS_CANDIDATES = 64
+
+
+def _nucleus_threshold(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The score of the last token the top-p nucleus keeps, per row.
+
+    Looks at the ``k`` highest scores, growing ``k`` fourfold until their mass reaches
+    ``top_p`` in every row (then the nucleus lies within them), so the common case never
+    sorts the vocabulary.
+
+    Args:
+        scores: ``(..., vocab)`` temperature-scaled scores (``-inf`` = filtered).
+
+    Returns:
+        ``(..., 1)`` thresholds: keep the tokens with ``scores >= threshold``.
+    """
+    vocab = scores.shape[-1]
+    log_normaliser = torch.logsumexp(scores, dim=-1, keepdim=True)
+    k = min(_FIRST_NUCLEUS_CANDIDATES, vocab)
+    while True:
+        top = torch.topk(scores, k, dim=-1).values  # sorted, descending
+        probs = (top - log_normaliser).exp()
+        if k == vocab or bool((probs.sum(dim=-1) >= top_p).all()):
+            break
+        k = min(4 * k, vocab)
+    # Keep the prefix whose mass before each token is still below top_p (>= 1 token).
+    mass_before = probs.cumsum(dim=-1) - probs
+    kept = (mass_before < top_p).sum(dim=-1, keepdim=True).clamp_min(1)
+    return top.gather(-1, kept - 1)
+
+
+def sample_token(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    """Draw one token from ``probs (vocab,)`` (need not be normalised) by inverting its CDF.
+
+    Tokens of probability 0 are never drawn. ``torch.multinomial`` does the same job in
+    ~0.8 ms on a 50k vocabulary; a float64 cumulative sum and a binary search take ~0.04 ms.
+    """
+    cumulative = probs.double().cumsum(dim=-1)
+    point = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device)
+    # The first index whose cumulative mass exceeds the point: never a zero-mass token.
+    index = int(torch.searchsorted(cumulative, point * cumulative[-1], right=True))
+    if index == probs.shape[-1]:  # u * total rounded up to total: take the last live token
+        index = int(torch.nonzero(probs).max())
+    return index
+
+
+__all__ = ["SamplingParams", "processed_probs", "sample_token"]

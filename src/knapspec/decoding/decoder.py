@@ -27,7 +27,7 @@ from knapspec.decoding.verify import Verdict, check_finite, verify_greedy, verif
 from knapspec.model.engine import ContextLengthError, SublayerEngine
 from knapspec.planners.base import Planner, PlanningContext
 from knapspec.proxies.base import ValueProxy
-from knapspec.sampling import SamplingParams, processed_probs
+from knapspec.sampling import SamplingParams, processed_probs, sample_token
 from knapspec.types import DraftPlan, StepOutcome
 from knapspec.window import WindowBuffer
 
@@ -257,7 +257,7 @@ class _Run:
         if not self.params.do_sample:
             return int(logits.argmax()), None
         probs = processed_probs(logits, self.params)
-        return int(torch.multinomial(probs, 1, generator=self.generator)), probs
+        return sample_token(probs, self.generator), probs
 
     def execute(self) -> GenerationResult:
         decoder, engine, cache, stats = self.decoder, self.engine, self.cache, self.stats

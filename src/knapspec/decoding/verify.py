@@ -5,6 +5,8 @@ from __future__ import annotations
 import attrs
 import torch
 
+from knapspec.sampling import sample_token
+
 
 class NonFiniteLogitsError(FloatingPointError):
     """The model produced NaN or infinite logits; no token was committed."""
@@ -91,7 +93,7 @@ def verify_sampling(
     for j in range(k):
         if not accepted_mask[j]:
             residual = residual_distribution(target_probs[j], draft_probs[j])
-            correction = int(torch.multinomial(residual, 1, generator=generator))
+            correction = sample_token(residual, generator)
             return Verdict(j, [*draft_tokens[:j], correction])
-    bonus = int(torch.multinomial(target_probs[k], 1, generator=generator))
+    bonus = sample_token(target_probs[k], generator)
     return Verdict(k, [*draft_tokens, bonus])
