@@ -32,9 +32,10 @@ if TYPE_CHECKING:
 SCHEMA_VERSION = 1
 """Version of the JSON layout written by :meth:`LatencyProfile.save`."""
 
-ATTENTION_IMPLEMENTATION = "knapspec-engine-r2"
+ATTENTION_IMPLEMENTATION = "knapspec-engine-r3"
 """Timings go through the engine's own arithmetic, not ``attn_implementation``. The suffix
-is the engine's kernel revision (r2: few-row linear layers, :mod:`knapspec.model.kernels`);
+is the engine's kernel revision (r2: few-row linear layers, :mod:`knapspec.model.kernels`;
+r3: fused q/k/v and gate/up products, :mod:`knapspec.model.fusion`);
 bump it whenever the engine's speed changes, so that older timings are refused."""
 
 CACHE_TYPE = "knapspec-preallocated"
