@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import itertools
 import json
 from pathlib import Path
@@ -164,6 +166,38 @@ def test_harness_writes_raw_results_and_report(tiny: tuple[Any, Any], tmp_path: 
     assert (run_dir / "vk_curves.png").stat().st_size > 0
     assert "../smoke/speedup_vs_context.png" in docs.read_text()
     assert json.loads((run_dir / "run.json").read_text())["status"] == "completed"
+
+
+def test_sampled_calls_run_to_full_length_and_greedy_calls_stop_at_eos(
+    tiny: tuple[Any, Any], tmp_path: Path
+) -> None:
+    """Sampled methods draw different texts; an early EOS in one of them would compare a
+    prefill-dominated time with full-length ones, so sampled calls never stop early."""
+    model, tokenizer = tiny
+    model = copy.deepcopy(model)
+    vocab = model.config.vocab_size
+    model.generation_config.eos_token_id = list(range(0, vocab, 2))  # half the vocabulary
+    generate = next(m for m in default_methods() if m.name == "generate")
+    sampled = Scenario("tiny-sampled", "summarise", (24,), 6, SAMPLING)
+    options = _options(
+        tmp_path,
+        (_reference(), generate, STATIC),
+        scenarios=(SCENARIO, sampled),
+        oracle=None,
+        vcurve=False,
+    )
+    rows = [
+        json.loads(line)
+        for line in (run_benchmark(model, tokenizer, options) / "raw.jsonl")
+        .read_text()
+        .splitlines()
+    ]
+    sampled_rows = [r for r in rows if r["scenario"] == "tiny-sampled"]
+    greedy_rows = [r for r in rows if r["scenario"] == "tiny"]
+    assert sampled_rows and all(r["new_tokens"] == 6 for r in sampled_rows)
+    # Greedy: every method stops where AR does, at its first even-numbered token.
+    assert len({r["new_tokens"] for r in greedy_rows}) == 1
+    assert greedy_rows[0]["new_tokens"] < 6
 
 
 class _CorruptingDecoder:

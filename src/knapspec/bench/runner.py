@@ -263,7 +263,7 @@ class Harness:
             return self._call_generate(ids, new_tokens, sampling)
         decoder = self.decoders[method.name]
         result = decoder.generate(
-            ids, max_new_tokens=new_tokens, eos_token_id=self.eos, sampling=sampling
+            ids, max_new_tokens=new_tokens, eos_token_id=self._stop_ids(sampling), sampling=sampling
         )
         stats = result.stats
         return _Call(
@@ -287,8 +287,15 @@ class Harness:
         )
 
     @torch.inference_mode()
+    def _stop_ids(self, sampling: SamplingParams) -> list[int] | None:
+        """Greedy calls stop at EOS (every method's output is AR's, so lengths agree);
+        sampled calls never stop early: methods sample different texts, and one that hit
+        EOS after 13 tokens would compare a prefill-dominated time with full-length ones."""
+        return None if sampling.do_sample else self.eos
+
     def _call_generate(self, ids: torch.Tensor, new_tokens: int, sampling: SamplingParams) -> _Call:
-        """``model.generate`` as users call it: greedy (or the scenario's sampling)."""
+        """``model.generate`` as users call it: greedy (or the scenario's sampling, then
+        exactly ``new_tokens`` tokens, like every other method: see :meth:`_stop_ids`)."""
         batch = ids.unsqueeze(0).to(self.engine.device)
         kwargs: dict[str, Any] = {
             "attention_mask": torch.ones_like(batch),
@@ -298,6 +305,7 @@ class Harness:
         if sampling.do_sample:
             kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p)
             kwargs["top_k"] = sampling.top_k or None
+            kwargs["min_new_tokens"] = new_tokens
             if sampling.seed is not None:
                 torch.manual_seed(sampling.seed)
         if self.engine.device.type == "cuda":
