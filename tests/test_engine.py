@@ -141,6 +141,34 @@ def test_run_item_attention_equals_a_cached_forward_of_that_item() -> None:
     assert window == 14 - prefix
 
 
+def test_step_item_chain_is_forward_item_by_item_and_writes_the_cache() -> None:
+    """step_item over all items in order == forward's residual points, same cache writes."""
+    model = tiny_model("llama")
+    engine = SublayerEngine(model)
+    ids = torch.randint(0, 97, (12,), generator=torch.Generator().manual_seed(6))
+    reference_cache = engine.new_cache()
+    full = engine.forward(ids, 0, reference_cache, capture_points=True)
+    assert full.points is not None
+    prefix = 9
+    cache = engine.new_cache()
+    engine.forward(ids[:prefix], 0, cache)
+    positions = torch.arange(prefix, 12)
+    hidden = engine.embed_tokens(ids[prefix:]).unsqueeze(0)
+    rotary = engine.rotary(positions, hidden)
+    for item in range(engine.num_items):
+        hidden = engine.step_item(item, hidden, prefix, cache, rotary)
+        torch.testing.assert_close(hidden[0], full.points[item + 1, prefix:], atol=2e-5, rtol=1e-4)
+    assert cache.lengths == [12] * engine.num_layers
+    for layer in range(engine.num_layers):
+        torch.testing.assert_close(cache.keys(layer), reference_cache.keys(layer))
+        torch.testing.assert_close(cache.values(layer), reference_cache.values(layer))
+    # A step past the cached prefix is a gap, refused; an out-of-range item too.
+    with pytest.raises(RuntimeError, match="gap"):
+        engine.step_item(0, hidden[:, :1], 14, cache, engine.rotary(torch.tensor([14]), hidden))
+    with pytest.raises(ValueError, match="out of range"):
+        engine.step_item(engine.num_items, hidden, prefix, cache, rotary)
+
+
 def test_run_masks_matches_forward_with_each_mask() -> None:
     model = tiny_model("llama")
     engine = SublayerEngine(model)

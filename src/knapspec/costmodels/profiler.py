@@ -120,16 +120,16 @@ def _sweep(
     """
     positions = torch.tensor([context], device=engine.device)
     # The engine's decode path for one attention item (the code a draft step runs).
-    cos, sin = engine._rotary(positions, hidden)
+    rotary = engine.rotary(positions, hidden)
     attention: list[float] = []
     mlp: list[float] = []
     for layer in range(engine.num_layers):
         sync()
         start = time.perf_counter()
-        hidden = engine._attention_item(layer, hidden, context, cos, sin, cache)
+        hidden = engine.step_item(2 * layer, hidden, context, cache, rotary)
         sync()
         middle = time.perf_counter()
-        hidden = engine.run_item(2 * layer + 1, hidden, positions, cache, context)
+        hidden = engine.step_item(2 * layer + 1, hidden, context, cache, rotary)
         sync()
         attention.append(middle - start)
         mlp.append(time.perf_counter() - middle)

@@ -233,10 +233,11 @@ class SublayerEngine:
         hidden.mul_(upward)  # in place: one (rows, d_ff) allocation fewer
         return self._project(down, hidden)
 
-    def _rotary(
+    def rotary(
         self, positions: torch.Tensor, like: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for ``positions (q,)``: each ``(1, q, head_dim)``."""
+        """The model's rotary cos/sin for ``positions (q,)``: each ``(1, q, head_dim)``,
+        in the dtype of ``like``. :meth:`step_item` takes them precomputed."""
         cos, sin = self.rotary_emb(like, positions.unsqueeze(0))
         return cos, sin
 
@@ -372,7 +373,7 @@ class SublayerEngine:
         token_ids = token_ids.to(self.device)
         hidden = self.embed_tokens(token_ids).unsqueeze(0)
         positions = torch.arange(start, start + q_len, device=self.device)
-        cos, sin = self._rotary(positions, hidden)
+        cos, sin = self.rotary(positions, hidden)
         keep = slice(None) if capture_last is None else slice(max(0, q_len - capture_last), None)
         # Slices of long inputs are copied so that the full (q, d) states can be freed.
         copy = capture_last is not None and capture_last < q_len
@@ -398,6 +399,40 @@ class SublayerEngine:
         """Final norm and LM head: ``(..., d_model) -> (..., vocab)`` in float32."""
         logits: torch.Tensor = self._project(self.lm_head, self.final_norm(hidden)).float()
         return logits
+
+    @torch.inference_mode()
+    def step_item(
+        self,
+        item: int,
+        hidden: torch.Tensor,
+        start: int,
+        cache: KVCache,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """Run one item exactly as :meth:`forward` does inside a step (the decode path).
+
+        An attention item writes its K/V at positions ``start ..`` into ``cache`` and
+        attends causally to everything cached before them; an MLP item ignores the cache.
+        The latency profiler times items through this method.
+
+        Args:
+            item: item index in ``[0, 2L)`` (``2l``: layer ``l``'s attention, ``2l + 1``: MLP).
+            hidden: ``(1, q, d_model)`` residual stream entering the item.
+            start: position of the first of the ``q`` tokens; the item's layer must cache
+                exactly the positions before it.
+            rotary: :meth:`rotary` of the ``q`` positions (computed once per step, as in
+                :meth:`forward`).
+
+        Returns:
+            ``(1, q, d_model)``: the residual stream after the item.
+        """
+        if not 0 <= item < self.num_items:
+            raise ValueError(f"item {item} out of range [0, {self.num_items})")
+        layer_index = item // 2
+        if item % 2 == 1:
+            return self._mlp_item(layer_index, hidden)
+        cos, sin = rotary  # KVCache.write refuses a gap before ``start``
+        return self._attention_item(layer_index, hidden, start, cos, sin, cache)
 
     @torch.inference_mode()
     def run_item(
@@ -436,7 +471,7 @@ class SublayerEngine:
             )
         layer = self.layers[layer_index]
         branches, q_len, _ = hidden.shape
-        cos, sin = self._rotary(positions.to(self.device), hidden)
+        cos, sin = self.rotary(positions.to(self.device), hidden)
         query, key, value = self._project_qkv(layer_index, layer.input_layernorm(hidden), cos, sin)
         # All branches' queries in one row block: (1, H, B*q, hd); keys: prefix then windows.
         query = query.transpose(0, 1).reshape(1, self.num_heads, branches * q_len, self.head_dim)
