@@ -27,9 +27,11 @@ from knapspec.bench import (
     method_config,
     run_benchmark,
     select_methods,
+    write_docs,
     write_report,
 )
 from knapspec.bench.oracle import expected_tokens_from_runs
+from knapspec.bench.report import RunData, comparable_calls
 from knapspec.bench.scenarios import SAMPLING
 from knapspec.config import DecoderConfig
 from knapspec.decoding.decoder import GenerationResult, SpeculativeDecoder
@@ -165,6 +167,68 @@ def test_harness_writes_raw_results_and_report(tiny: tuple[Any, Any], tmp_path: 
     assert (run_dir / "vk_curves.png").stat().st_size > 0
     assert "../smoke/speedup_vs_context.png" in docs.read_text()
     assert json.loads((run_dir / "run.json").read_text())["status"] == "completed"
+
+
+def test_docs_from_several_runs_compare_them_and_keep_each_report(
+    tiny: tuple[Any, Any], tmp_path: Path
+) -> None:
+    model, tokenizer = tiny
+    run_dirs = [
+        run_benchmark(
+            model,
+            tokenizer,
+            _options(tmp_path, (_reference(), STATIC), run_name=name, oracle=None, vcurve=False),
+        )
+        for name in ("first", "second")
+    ]
+    docs = tmp_path / "docs" / "benchmarks.md"
+    assert cli_main(["report", *map(str, run_dirs), "--docs", str(docs)]) == 0
+    text = docs.read_text()
+    assert all((run_dir / "report.md").exists() for run_dir in run_dirs)
+    # Each run's report is a section, its headings one level down, its plots linked.
+    assert "## Run `first`" in text and "## Run `second`" in text
+    assert text.count("### Speed, acceptance and time split") == 2
+    assert "../first/speedup_vs_context.png" in text and "../second/speedup_vs_context.png" in text
+    # The across-runs row pools every call: 2 pair rounds per run.
+    ratios = [
+        row["speedup_vs_ar"]
+        for run_dir in run_dirs
+        for row in map(json.loads, (run_dir / "raw.jsonl").read_text().splitlines())
+        if row["method"] == "static-2"
+    ]
+    assert len(ratios) == 4
+    pooled = f"{np.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}] (4)"
+    across = text.split("## Across runs: speedup vs AR")[1].split("## Across runs: plain")[0]
+    static_rows = [line for line in across.splitlines() if "static-2" in line]
+    assert len(static_rows) == 1 and static_rows[0].endswith(f"| {pooled} |")
+    assert "| `first` | `second` |" in across
+    # One run renders exactly as write_report's docs did: the run's report, no comparison.
+    single = tmp_path / "single.md"
+    write_docs([RunData.load(run_dirs[0])], single)
+    assert "Across runs" not in single.read_text()
+    assert single.read_text().endswith(
+        (run_dirs[0] / "report.md")
+        .read_text()
+        .split("# Benchmark report\n\n", 1)[1]
+        .replace("](speedup", "](first/speedup")
+    )
+
+
+def test_pooling_leaves_out_sampled_calls_that_stopped_short() -> None:
+    sampled = {"do_sample": True, "temperature": 0.7}
+    greedy = {"do_sample": False}
+    raw = [
+        {"scenario": "s", "context": 8, "method": "ar", "new_tokens": 6, "sampling": sampled},
+        {"scenario": "s", "context": 8, "method": "m", "new_tokens": 2, "sampling": sampled},
+        {"scenario": "s", "context": 16, "method": "m", "new_tokens": 3, "sampling": sampled},
+        {"scenario": "g", "context": 8, "method": "ar", "new_tokens": 6, "sampling": greedy},
+        {"scenario": "g", "context": 8, "method": "m", "new_tokens": 4, "sampling": greedy},
+    ]
+    data = RunData(Path("run"), {}, raw, [], [], [])
+    kept = comparable_calls(data)
+    # The 2-token sampled call is out; a greedy call that stopped at EOS stays (every greedy
+    # method stops at the same token), as does the longest call of another length.
+    assert kept == [raw[0], raw[2], raw[3], raw[4]]
 
 
 def test_sampled_calls_run_to_full_length_and_greedy_calls_stop_at_eos(

@@ -17,7 +17,7 @@ from knapspec.bench.methods import (
 )
 from knapspec.bench.oracle import OracleOptions, OracleResult, oracle_frontier
 from knapspec.bench.records import LosslessnessError, RunRecord
-from knapspec.bench.report import ReportError, RunData, summarise, write_report
+from knapspec.bench.report import ReportError, RunData, summarise, write_docs, write_report
 from knapspec.bench.runner import BenchOptions, Harness, run_benchmark
 from knapspec.bench.scenarios import BenchPrompt, Scenario, default_scenarios, select_scenarios
 
@@ -43,5 +43,6 @@ __all__ = [
     "select_methods",
     "select_scenarios",
     "summarise",
+    "write_docs",
     "write_report",
 ]

@@ -1,7 +1,7 @@
 """``knapspec bench``: run the harness, or report on a finished run.
 
     knapspec bench [run] [--quick] [--scenarios ...] [--methods ...] [--ablations] ...
-    knapspec bench report RUN_DIR [--docs docs/benchmarks.md]
+    knapspec bench report RUN_DIR [RUN_DIR ...] [--docs docs/benchmarks.md]
 
 ``run`` (the default) writes ``results/bench/<run-name>/`` and then its report;
 ``--config FILE`` / ``--set KEY=VALUE`` give the base decoder config every method's
@@ -21,7 +21,7 @@ import attrs
 from knapspec.bench.methods import ablation_methods, default_methods, select_methods
 from knapspec.bench.oracle import FAMILIES, OracleOptions
 from knapspec.bench.records import LosslessnessError
-from knapspec.bench.report import ReportError, write_report
+from knapspec.bench.report import ReportError, RunData, write_docs, write_report
 from knapspec.bench.runner import BenchOptions, command_line, run_benchmark
 from knapspec.bench.scenarios import default_scenarios, select_scenarios
 from knapspec.cli import positive_int
@@ -139,9 +139,18 @@ def report_parser() -> argparse.ArgumentParser:
         prog=f"{PROG} report",
         description="Tables, plots and report.md from a run directory's results.",
     )
-    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     parser.add_argument(
-        "--docs", type=Path, help="also regenerate this Markdown file (e.g. docs/benchmarks.md)"
+        "run_dirs",
+        type=Path,
+        nargs="+",
+        metavar="RUN_DIR",
+        help="run directories; each gets its report.md and plots",
+    )
+    parser.add_argument(
+        "--docs",
+        type=Path,
+        help="also regenerate this Markdown file (e.g. docs/benchmarks.md) from all the runs, "
+        "the first as the main one, with tables comparing them",
     )
     return parser
 
@@ -260,11 +269,14 @@ def _run(argv: list[str]) -> int:
 def _report(argv: list[str]) -> int:
     args = report_parser().parse_args(argv)
     try:
-        report = write_report(args.run_dir, args.docs)
+        runs = [RunData.load(run_dir) for run_dir in args.run_dirs]
+        for data in runs:
+            print(f"{PROG}: report in {write_report(data.run_dir)}")
+        if args.docs is not None:
+            print(f"{PROG}: regenerated {write_docs(runs, args.docs)}")
     except ReportError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 1
-    print(f"{PROG}: report in {report}" + (f"; regenerated {args.docs}" if args.docs else ""))
     return 0
 
 
