@@ -345,9 +345,14 @@ def across_runs_table(runs: Sequence[RunData]) -> str:
             if row["method"] != REFERENCE and row.get("speedup_vs_ar") is not None:
                 key = (row["scenario"], row["context"], row["method"])
                 ratios[key].setdefault(index, []).append(row["speedup_vs_ar"])
+    # Rows grouped by (scenario, N) in the order the runs met them; methods in run order.
+    settings = list(dict.fromkeys((scenario, context) for scenario, context, _ in ratios))
+    methods = list(dict.fromkeys(m for data in runs for m in data.methods()))
+    order = sorted(ratios, key=lambda k: (settings.index(k[:2]), methods.index(k[2])))
     header = ["scenario", "N", "method", *[f"`{run_name(d)}`" for d in runs], "all calls (n)"]
     rows = []
-    for (scenario, context, method), by_run in ratios.items():
+    for scenario, context, method in order:
+        by_run = ratios[(scenario, context, method)]
         if len(by_run) < 2:
             continue
         cells = []
@@ -364,10 +369,11 @@ def across_runs_table(runs: Sequence[RunData]) -> str:
 
 
 def engine_vs_generate_table(runs: Sequence[RunData]) -> str:
-    """Plain decoding through knapspec's engine against ``model.generate``, run by run."""
+    """Plain decoding through knapspec's engine against ``model.generate``, run by run
+    (over :func:`comparable_calls`)."""
     cells: dict[tuple[str, int], dict[int, str]] = defaultdict(dict)
     for index, data in enumerate(runs):
-        for row in summarise(data):
+        for row in summarise(attrs.evolve(data, raw=comparable_calls(data))):
             if row.method == REFERENCE and row.speedup_vs_generate is not None:
                 cells[(row.scenario, row.context)][index] = row.speedup_vs_generate.text()
     header = ["scenario", "N", *[f"`{run_name(d)}`" for d in runs]]
