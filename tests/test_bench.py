@@ -98,7 +98,9 @@ def tiny() -> tuple[Any, Any]:
 
 SCENARIO = Scenario("tiny", "summarise", (24,), 6, description="tiny")
 STATIC = MethodSpec(
-    "static-2", {"planner": {"name": "static", "skipped_items": [1], "draft_length": 2}}
+    "static-2",
+    {"planner": {"name": "static", "skipped_items": [1], "draft_length": 2}},
+    description="skips item 1, drafts 2",
 )
 
 
@@ -198,10 +200,16 @@ def test_docs_from_several_runs_compare_them_and_keep_each_report(
     ]
     assert len(ratios) == 4
     pooled = f"{np.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}] (4)"
-    across = text.split("## Across runs: speedup vs AR")[1].split("## Across runs: plain")[0]
+    across = text.split("## Across runs: speedup vs AR")[1].split("## Run `first`")[0]
     static_rows = [line for line in across.splitlines() if "static-2" in line]
     assert len(static_rows) == 1 and static_rows[0].endswith(f"| {pooled} |")
     assert "| `first` | `second` |" in across
+    assert "- `static-2`: skips item 1, drafts 2" in text  # the methods, described
+    # No model.generate in these runs: no engine-vs-generate table. A title of one's own.
+    assert "vs `model.generate`" not in text
+    runs = [RunData.load(run_dir) for run_dir in run_dirs]
+    titled = write_docs(runs, tmp_path / "ablations.md", title="Ablations").read_text()
+    assert titled.startswith("# Ablations\n") and "--title Ablations" in titled
     # One run renders exactly as write_report's docs did: the run's report, no comparison.
     single = tmp_path / "single.md"
     write_docs([RunData.load(run_dirs[0])], single)

@@ -152,6 +152,9 @@ def report_parser() -> argparse.ArgumentParser:
         help="also regenerate this Markdown file (e.g. docs/benchmarks.md) from all the runs, "
         "the first as the main one, with tables comparing them",
     )
+    parser.add_argument(
+        "--title", default="Benchmarks", help="the --docs page's title. Default: Benchmarks."
+    )
     return parser
 
 
@@ -273,7 +276,7 @@ def _report(argv: list[str]) -> int:
         for data in runs:
             print(f"{PROG}: report in {write_report(data.run_dir)}")
         if args.docs is not None:
-            print(f"{PROG}: regenerated {write_docs(runs, args.docs)}")
+            print(f"{PROG}: regenerated {write_docs(runs, args.docs, args.title)}")
     except ReportError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 1
