@@ -222,6 +222,15 @@ def test_docs_from_several_runs_compare_them_and_keep_each_report(
     )
 
 
+def test_demoting_headings_leaves_code_blocks_alone() -> None:
+    from knapspec.bench.report import _demoted
+
+    text = "# Title\n## Part\n```\n# a shell comment\n```\ntext # not a heading"
+    assert _demoted(text) == (
+        "## Title\n### Part\n```\n# a shell comment\n```\ntext # not a heading"
+    )
+
+
 def test_pooling_leaves_out_sampled_calls_that_stopped_short() -> None:
     sampled = {"do_sample": True, "temperature": 0.7}
     greedy = {"do_sample": False}
