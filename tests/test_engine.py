@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from tests.tiny_models import FAMILIES, tiny_model
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
 
-from knapspec.model import ContextLengthError, SublayerEngine, UnsupportedModelError
+from knapspec.model import ContextLengthError, KVCache, SublayerEngine, UnsupportedModelError
 from knapspec.types import SublayerMask
 
 
@@ -123,32 +123,35 @@ def test_run_item_on_branches_equals_each_branch_alone(
         assert torch.equal(cache.keys(layer), snapshot[layer])
 
 
+def _with_points(
+    family: str, length: int, seed: int
+) -> tuple[SublayerEngine, torch.Tensor, KVCache, torch.Tensor]:
+    """A tiny model's engine, ``length`` random ids, the cache after a full forward over
+    them, and that forward's residual points ``(2L + 1, length, d)``."""
+    engine = SublayerEngine(tiny_model(family))
+    ids = torch.randint(0, 97, (length,), generator=torch.Generator().manual_seed(seed))
+    cache = engine.new_cache()
+    points = engine.forward(ids, 0, cache, capture_points=True).points
+    assert points is not None
+    return engine, ids, cache, points
+
+
 def test_run_item_attention_equals_a_cached_forward_of_that_item() -> None:
     """A branch window through run_item == writing the window to a cache copy and attending."""
-    model = tiny_model("qwen3")
-    engine = SublayerEngine(model)
-    ids = torch.randint(0, 97, (14,), generator=torch.Generator().manual_seed(4))
-    cache = engine.new_cache()
-    full = engine.forward(ids, 0, cache, capture_points=True)
-    assert full.points is not None
+    engine, _, cache, points = _with_points("qwen3", 14, seed=4)
     prefix, window = 9, 5
     cache.crop(prefix)
     for item in range(engine.num_items):
         got = engine.run_item(
-            item, full.points[item, prefix:].unsqueeze(0), torch.arange(prefix, 14), cache, prefix
+            item, points[item, prefix:].unsqueeze(0), torch.arange(prefix, 14), cache, prefix
         )
-        torch.testing.assert_close(got[0], full.points[item + 1, prefix:], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(got[0], points[item + 1, prefix:], atol=2e-5, rtol=1e-4)
     assert window == 14 - prefix
 
 
 def test_step_item_chain_is_forward_item_by_item_and_writes_the_cache() -> None:
     """step_item over all items in order == forward's residual points, same cache writes."""
-    model = tiny_model("llama")
-    engine = SublayerEngine(model)
-    ids = torch.randint(0, 97, (12,), generator=torch.Generator().manual_seed(6))
-    reference_cache = engine.new_cache()
-    full = engine.forward(ids, 0, reference_cache, capture_points=True)
-    assert full.points is not None
+    engine, ids, reference_cache, points = _with_points("llama", 12, seed=6)
     prefix = 9
     cache = engine.new_cache()
     engine.forward(ids[:prefix], 0, cache)
@@ -157,7 +160,7 @@ def test_step_item_chain_is_forward_item_by_item_and_writes_the_cache() -> None:
     rotary = engine.rotary(positions, hidden)
     for item in range(engine.num_items):
         hidden = engine.step_item(item, hidden, prefix, cache, rotary)
-        torch.testing.assert_close(hidden[0], full.points[item + 1, prefix:], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(hidden[0], points[item + 1, prefix:], atol=2e-5, rtol=1e-4)
     assert cache.lengths == [12] * engine.num_layers
     for layer in range(engine.num_layers):
         torch.testing.assert_close(cache.keys(layer), reference_cache.keys(layer))
@@ -170,12 +173,7 @@ def test_step_item_chain_is_forward_item_by_item_and_writes_the_cache() -> None:
 
 
 def test_run_masks_matches_forward_with_each_mask() -> None:
-    model = tiny_model("llama")
-    engine = SublayerEngine(model)
-    ids = torch.randint(0, 97, (16,), generator=torch.Generator().manual_seed(5))
-    cache = engine.new_cache()
-    full = engine.forward(ids, 0, cache, capture_points=True)
-    assert full.points is not None
+    engine, ids, cache, points = _with_points("llama", 16, seed=5)
     masks = [
         SublayerMask.full(3),
         SublayerMask.from_skipped(3, [1, 4]),
@@ -183,7 +181,7 @@ def test_run_masks_matches_forward_with_each_mask() -> None:
     ]
     prefix = 11
     cache.crop(prefix)
-    got = engine.run_masks(masks, full.points[0, prefix:], torch.arange(prefix, 16), cache, prefix)
+    got = engine.run_masks(masks, points[0, prefix:], torch.arange(prefix, 16), cache, prefix)
     for b, mask in enumerate(masks):
         # The oracle: prefix from the full model, window run with the mask, as one forward.
         oracle_cache = engine.new_cache()
