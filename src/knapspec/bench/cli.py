@@ -274,7 +274,7 @@ def _report(argv: list[str]) -> int:
     try:
         runs = [RunData.load(run_dir) for run_dir in args.run_dirs]
         for data in runs:
-            print(f"{PROG}: report in {write_report(data.run_dir)}")
+            print(f"{PROG}: report in {write_report(data)}")
         if args.docs is not None:
             print(f"{PROG}: regenerated {write_docs(runs, args.docs, args.title)}")
     except ReportError as error:

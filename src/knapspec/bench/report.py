@@ -580,8 +580,11 @@ def render(data: RunData, image_prefix: str = "") -> str:
     return "\n".join(parts)
 
 
-def write_report(run_dir: Path, docs: Path | None = None) -> Path:
-    """Write plots and ``report.md`` into ``run_dir``; optionally regenerate ``docs``.
+def write_report(run: Path | RunData, docs: Path | None = None) -> Path:
+    """Write plots and ``report.md`` into the run's directory; optionally regenerate ``docs``.
+
+    Args:
+        run: a run directory, or one already loaded.
 
     Returns:
         The path of ``report.md``.
@@ -589,7 +592,8 @@ def write_report(run_dir: Path, docs: Path | None = None) -> Path:
     Raises:
         ReportError: see :meth:`RunData.load`.
     """
-    data = RunData.load(run_dir)
+    data = run if isinstance(run, RunData) else RunData.load(run)
+    run_dir = data.run_dir
     rows = summarise(data)
     plot_speedup(data, rows, run_dir / SPEEDUP_PLOT)
     plot_masks(data, run_dir / MASKS_PLOT)
