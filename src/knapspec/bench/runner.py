@@ -286,13 +286,13 @@ class Harness:
             ),
         )
 
-    @torch.inference_mode()
     def _stop_ids(self, sampling: SamplingParams) -> list[int] | None:
         """Greedy calls stop at EOS (every method's output is AR's, so lengths agree);
         sampled calls never stop early: methods sample different texts, and one that hit
         EOS after 13 tokens would compare a prefill-dominated time with full-length ones."""
         return None if sampling.do_sample else self.eos
 
+    @torch.inference_mode()
     def _call_generate(self, ids: torch.Tensor, new_tokens: int, sampling: SamplingParams) -> _Call:
         """``model.generate`` as users call it: greedy (or the scenario's sampling, then
         exactly ``new_tokens`` tokens, like every other method: see :meth:`_stop_ids`)."""

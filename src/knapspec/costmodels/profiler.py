@@ -119,7 +119,7 @@ def _sweep(
         hidden: ``(1, 1, d_model)`` residual stream entering layer 0.
     """
     positions = torch.tensor([context], device=engine.device)
-    # The engine's decode path for one attention item (the code a draft step runs).
+    # Each item through the engine's decode path (the code a draft step runs).
     rotary = engine.rotary(positions, hidden)
     attention: list[float] = []
     mlp: list[float] = []
