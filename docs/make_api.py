@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import knapspec
+from knapspec.components import Component
 from knapspec.config import load_builtin_components
 from knapspec.registry import Registry
 
@@ -43,6 +44,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "load_config",
         "save_config",
         "Registry",
+        "Component",
         "PLANNERS",
         "COST_MODELS",
         "PROXIES",
@@ -190,10 +192,15 @@ def _kind(obj: Any) -> str:
 
 
 def _members(cls: type) -> Iterator[tuple[str, Any]]:
-    """Public methods and properties defined by knapspec classes in ``cls``'s MRO."""
+    """Public methods and properties defined by knapspec classes in ``cls``'s MRO.
+
+    What every component inherits from :class:`Component` is listed once, under it.
+    """
     seen: set[str] = set()
     for klass in cls.__mro__:
         if klass in _SKIPPED_BASES or not klass.__module__.startswith("knapspec"):
+            continue
+        if klass is Component and cls is not Component:
             continue
         for name, member in vars(klass).items():
             if name.startswith("_") or name in seen:

@@ -9,6 +9,7 @@ exactly the target model's.
     >>> result = decoder.generate(input_ids, max_new_tokens=128)  # doctest: +SKIP
 """
 
+from knapspec.components import Component
 from knapspec.config import ComponentConfig, ConfigError, DecoderConfig, load_config, save_config
 from knapspec.costmodels import (
     COST_MODELS,
@@ -60,6 +61,7 @@ __all__ = [
     "AutoregressivePlanner",
     "BayesianPlanner",
     "CLaSpPlanner",
+    "Component",
     "ComponentConfig",
     "ConfigError",
     "ContextLengthError",

@@ -28,6 +28,7 @@ import functools
 import importlib
 import json
 import math
+import os
 import pkgutil
 import sys
 import tomllib
@@ -44,6 +45,7 @@ from knapspec.planners.base import PLANNERS
 from knapspec.proxies.base import PROXIES
 from knapspec.registry import Registry, UnknownComponentError
 from knapspec.sampling import SamplingParams
+from knapspec.validators import at_least, unit_interval
 
 if TYPE_CHECKING:
     from knapspec.costmodels.base import CostModel
@@ -367,23 +369,6 @@ def component_to_dict(component: ComponentConfig) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- decoder
-def _at_least_one(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{attribute.name} must be an integer >= 1, got {value!r}")
-
-
-def _unit_interval(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"{attribute.name} must be in [0, 1], got {value!r}")
-
-
-def _sampling_instance(
-    instance: object, attribute: attrs.Attribute[SamplingParams], value: SamplingParams
-) -> None:
-    if not isinstance(value, SamplingParams):
-        raise ValueError(f"sampling must be SamplingParams, got {type(value).__name__}")
-
-
 def _default_component(name: str) -> Any:
     """A field whose default is component ``name`` with its default params."""
     return attrs.field(factory=functools.partial(ComponentConfig, name))
@@ -418,11 +403,13 @@ class DecoderConfig:
     planner: ComponentConfig = _default_component("knapsack")  # noqa: RUF009 - attrs field
     cost_model: ComponentConfig = _default_component("online")  # noqa: RUF009
     proxy: ComponentConfig = _default_component("montecarlo")  # noqa: RUF009
-    sampling: SamplingParams = attrs.field(factory=SamplingParams, validator=_sampling_instance)
-    max_draft_length: int = attrs.field(default=10, validator=_at_least_one)
-    window_rounds: int = attrs.field(default=5, validator=_at_least_one)
-    window_max_tokens: int = attrs.field(default=64, validator=_at_least_one)
-    confidence_threshold: float = attrs.field(default=0.7, validator=_unit_interval)
+    sampling: SamplingParams = attrs.field(
+        factory=SamplingParams, validator=attrs.validators.instance_of(SamplingParams)
+    )
+    max_draft_length: int = attrs.field(default=10, validator=at_least(1))
+    window_rounds: int = attrs.field(default=5, validator=at_least(1))
+    window_max_tokens: int = attrs.field(default=64, validator=at_least(1))
+    confidence_threshold: float = attrs.field(default=0.7, validator=unit_interval)
     allow_dotted_paths: bool = attrs.field(
         default=False, validator=attrs.validators.instance_of(bool)
     )
@@ -704,26 +691,59 @@ def _set_key(data: dict[str, Any], parts: list[str], value: Any, override: str) 
 
 # -------------------------------------------------------------------------- building
 def build_components(
-    config: DecoderConfig, engine: SublayerEngine, *, build_unused: bool = False
+    config: DecoderConfig,
+    engine: SublayerEngine,
+    *,
+    build_unused: bool = False,
+    planner: Planner | None = None,
+    cost_model: CostModel | None = None,
+    proxy: ValueProxy | None = None,
 ) -> tuple[Planner, CostModel | None, ValueProxy | None]:
-    """Instantiate the configured planner, cost model and proxy for ``engine``'s model.
+    """The planner, cost model and proxy for ``engine``'s model: the one component factory.
 
-    Each class is looked up in its registry and built with ``from_config(params, engine)``.
-    A planner that never reads the reference window (``uses_window`` False: static,
-    early-exit, autoregressive) needs neither a cost model nor a proxy; those are then
-    returned as None unless ``build_unused``, because building a cost model may profile
-    the machine for a few seconds.
+    A component passed in is used as it is; every other one is looked up in its registry
+    by the name ``config`` gives and built with ``from_config(params, engine)``. A planner
+    that never reads the reference window (``uses_window`` False: static, early-exit,
+    autoregressive) needs neither a cost model nor a proxy; those are then not built
+    (returned as passed, usually None) unless ``build_unused``, because building a cost
+    model may profile the machine for a few seconds.
 
     Raises:
         ConfigError: ``from_config`` rejected the params for this model (its
             ``ValueError``, e.g. an exit layer beyond the model's depth), naming the section.
     """
-    planner: Planner = _build(config, "planner", engine)
-    if not getattr(planner, "uses_window", True) and not build_unused:
-        return planner, None, None
-    cost_model: CostModel = _build(config, "cost_model", engine)
-    proxy: ValueProxy = _build(config, "proxy", engine)
+    if planner is None:
+        planner = _build(config, "planner", engine)
+    if not planner.uses_window and not build_unused:
+        return planner, cost_model, proxy
+    if cost_model is None:
+        cost_model = _build(config, "cost_model", engine)
+    if proxy is None:
+        proxy = _build(config, "proxy", engine)
     return planner, cost_model, proxy
+
+
+def as_decoder_config(
+    value: DecoderConfig | Mapping[str, Any] | str | os.PathLike[str] | None,
+) -> DecoderConfig:
+    """A :class:`DecoderConfig` from itself, its dict form, a TOML / JSON file path, or None
+    (the defaults).
+
+    Raises:
+        ConfigError: an invalid dict or file.
+        TypeError: any other type.
+    """
+    if value is None:
+        return DecoderConfig()
+    if isinstance(value, DecoderConfig):
+        return value
+    if isinstance(value, Mapping):
+        return DecoderConfig.from_dict(value)
+    if isinstance(value, (str, os.PathLike)):
+        return load_config(Path(value))
+    raise TypeError(
+        f"config must be a DecoderConfig, a dict or a config file path, got {type(value).__name__}"
+    )
 
 
 def _build(config: DecoderConfig, kind: ComponentKind, engine: SublayerEngine) -> Any:
@@ -831,6 +851,7 @@ __all__ = [
     "ConfigError",
     "DecoderConfig",
     "apply_overrides",
+    "as_decoder_config",
     "attribute_docs",
     "build_attrs",
     "build_components",

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING
 
 import attrs
 
+from knapspec.components import Component
 from knapspec.registry import Registry
 from knapspec.types import SublayerMask
 
 if TYPE_CHECKING:
-    from knapspec.model.engine import SublayerEngine
+    pass
 
 
 @attrs.frozen
@@ -46,16 +47,12 @@ def knapsack_weights(t_attn: float, t_mlp: float) -> tuple[int, int]:
     return max(1, round(t_attn / delta)), max(1, round(t_mlp / delta))
 
 
-class CostModel(abc.ABC):
+class CostModel(Component, abc.ABC):
     """Predicts decode latencies (seconds) on the current machine.
 
     Subclasses implement the per-item times, the per-step overhead and the verify cost;
     the draft cost, the weights and the AR step cost derive from them.
     """
-
-    registered_name: ClassVar[str] = ""
-    #: attrs frozen class of validated hyper-parameters, consumed by ``from_config``.
-    config_class: ClassVar[type[Any]]
 
     @abc.abstractmethod
     def t_attn(self, context_length: int, layer: int | None = None) -> float:
@@ -91,13 +88,8 @@ class CostModel(abc.ABC):
         """Integer knapsack weights ``(w_attn, w_mlp)`` at ``context_length``."""
         return knapsack_weights(self.t_attn(context_length), self.t_mlp())
 
-    def observe(self, observation: LatencyObservation) -> None:  # noqa: B027 - optional hook
+    def observe(self, observation: LatencyObservation) -> None:
         """Learn from a measured step; static models ignore it."""
-
-    @classmethod
-    def from_config(cls, config: Any, engine: SublayerEngine) -> CostModel:
-        """Build from a validated config for ``engine``'s model (registry entry point)."""
-        raise NotImplementedError(f"{cls.__name__} cannot be built from a config")
 
 
 COST_MODELS: Registry[CostModel] = Registry("cost model")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import attrs
 import numpy as np
@@ -32,6 +32,7 @@ from sklearn.linear_model import LinearRegression
 from knapspec.costmodels.base import COST_MODELS, CostModel
 from knapspec.costmodels.profile import LatencyProfile, ProfileError, VerifyTiming
 from knapspec.types import SublayerMask
+from knapspec.validators import non_empty_string, optional
 
 if TYPE_CHECKING:
     from knapspec.model.engine import SublayerEngine
@@ -208,11 +209,6 @@ def fit_verify_law(
     return full.astype(np.float64), tuple(widths)
 
 
-def _check_positive(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and not value:
-        raise ValueError(f"{attribute.name} must be a non-empty path or None")
-
-
 @attrs.frozen
 class FittedLinearCostModelConfig:
     """Hyper-parameters of :class:`FittedLinearCostModel`.
@@ -226,7 +222,7 @@ class FittedLinearCostModelConfig:
 
     profile: str | None = attrs.field(
         default=None,
-        validator=[attrs.validators.optional(attrs.validators.instance_of(str)), _check_positive],
+        validator=optional(non_empty_string),
     )
     pooled: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     force: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
@@ -274,6 +270,7 @@ class FittedLinearCostModel(CostModel):
                 f"verify_coef must be (K, 2) rows (A_k, B_k) for widths 1..K, got shape "
                 f"{verify_coef.shape}"
             )
+        self.config = FittedLinearCostModelConfig(pooled=pooled)
         self.profile = profile
         self.pooled = pooled
         self.attn_intercept = attn_intercept
@@ -302,9 +299,7 @@ class FittedLinearCostModel(CostModel):
 
     # ------------------------------------------------------------------ building
     @classmethod
-    def from_profile(
-        cls, profile: LatencyProfile, *, pooled: bool = False
-    ) -> FittedLinearCostModel:
+    def from_profile(cls, profile: LatencyProfile, *, pooled: bool = False) -> Self:
         """Least-squares fit of ``profile`` (see the module docstring for the laws).
 
         Raises:
@@ -350,7 +345,7 @@ class FittedLinearCostModel(CostModel):
         )
 
     @classmethod
-    def from_config(cls, config: Any, engine: SublayerEngine) -> FittedLinearCostModel:
+    def _construct(cls, config: Any, engine: SublayerEngine) -> Self:
         from knapspec.costmodels.defaults import load_profile_for
 
         profile = load_profile_for(engine, config.profile, force=config.force)

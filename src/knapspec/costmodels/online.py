@@ -36,7 +36,7 @@ microseconds of validation; the RLS update below is a handful of 4x4 (draft) or 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import attrs
 import numpy as np
@@ -47,6 +47,7 @@ from sklearn.utils.validation import check_array, check_is_fitted
 from knapspec.costmodels.base import COST_MODELS, CostModel, LatencyObservation
 from knapspec.costmodels.linear import MIN_SECONDS, FittedLinearCostModel, LinearCoefficients
 from knapspec.types import SublayerMask
+from knapspec.validators import interval, non_empty_string, optional
 
 if TYPE_CHECKING:
     from knapspec.model.engine import SublayerEngine
@@ -188,13 +189,6 @@ class RecursiveLeastSquares(BaseEstimator, RegressorMixin):  # type: ignore[misc
         return np.asarray(features @ self.coef_, dtype=np.float64)
 
 
-def _in_open_unit_interval(
-    instance: object, attribute: attrs.Attribute[float], value: float
-) -> None:
-    if not 0.0 < value <= 1.0:
-        raise ValueError(f"{attribute.name} must be in (0, 1], got {value}")
-
-
 @attrs.frozen
 class OnlineCalibratedCostModelConfig:
     """Hyper-parameters of :class:`OnlineCalibratedCostModel`.
@@ -214,12 +208,12 @@ class OnlineCalibratedCostModelConfig:
         outlier_patience: accept outliers after this many in a row (the law changed).
     """
 
-    profile: str | None = attrs.field(
-        default=None, validator=attrs.validators.optional(attrs.validators.min_len(1))
-    )
+    profile: str | None = attrs.field(default=None, validator=optional(non_empty_string))
     pooled: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     force: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
-    forgetting_factor: float = attrs.field(default=0.98, validator=_in_open_unit_interval)
+    forgetting_factor: float = attrs.field(
+        default=0.98, validator=interval(0.0, 1.0, low_open=True)
+    )
     initial_uncertainty: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))
     innovation_clip: float = attrs.field(default=0.5, validator=attrs.validators.gt(0))
     outlier_ratio: float = attrs.field(default=10.0, validator=attrs.validators.gt(1))
@@ -268,10 +262,36 @@ class OnlineCalibratedCostModel(CostModel):
         self.innovation_clip = innovation_clip
         self.outlier_ratio = outlier_ratio
         self.outlier_patience = outlier_patience
+        self._profile: str | None = None
+        self._force = False
+
+    @property
+    def config(self) -> OnlineCalibratedCostModelConfig:
+        """The hyper-parameters as their validated record.
+
+        Raises:
+            ValueError: a hyper-parameter is out of range (the message names it).
+        """
+        return OnlineCalibratedCostModelConfig(
+            profile=self._profile,
+            pooled=self.prior.pooled,
+            force=self._force,
+            forgetting_factor=self.forgetting_factor,
+            initial_uncertainty=self.initial_uncertainty,
+            innovation_clip=self.innovation_clip,
+            outlier_ratio=self.outlier_ratio,
+            outlier_patience=self.outlier_patience,
+        )
+
+    @config.setter
+    def config(self, value: OnlineCalibratedCostModelConfig) -> None:
+        # from_config passes the record the model was built from: keep what the
+        # attributes do not hold (where the prior's profile came from).
+        self._profile, self._force = value.profile, value.force
 
     # ----------------------------------------------------------------- building
     @classmethod
-    def from_config(cls, config: Any, engine: SublayerEngine) -> OnlineCalibratedCostModel:
+    def _construct(cls, config: Any, engine: SublayerEngine) -> Self:
         from knapspec.costmodels.defaults import load_profile_for
 
         profile = load_profile_for(engine, config.profile, force=config.force)
@@ -290,19 +310,13 @@ class OnlineCalibratedCostModel(CostModel):
         try:
             state = self._draft_rls, self._verify_rls
         except AttributeError:
-            state = self._build()
+            state = self._build_state()
         if self._pending:
             self._flush()
         return state
 
-    def _build(self) -> tuple[RecursiveLeastSquares, dict[int, RecursiveLeastSquares]]:
-        if not self.outlier_ratio > 1:
-            raise ValueError(f"outlier_ratio must be > 1, got {self.outlier_ratio}")
-        if self.outlier_patience < 1:
-            raise ValueError(f"outlier_patience must be >= 1, got {self.outlier_patience}")
-        for name in ("initial_uncertainty", "innovation_clip"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+    def _build_state(self) -> tuple[RecursiveLeastSquares, dict[int, RecursiveLeastSquares]]:
+        self.config  # noqa: B018 - building the record validates the hyper-parameters
         variance = float(self.initial_uncertainty) ** 2
         self._initial_variance = variance
         self.time_unit_ = self.prior.step_cost(REFERENCE_CONTEXT)

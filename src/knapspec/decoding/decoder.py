@@ -13,14 +13,16 @@ output token for token; sampled output is distributed exactly as the target's.
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 from torch import nn
 
+from knapspec.config import DecoderConfig, as_decoder_config, build_components
 from knapspec.costmodels.base import CostModel, LatencyObservation
 from knapspec.decoding.stats import GenerationStats, PlanRecord
 from knapspec.decoding.verify import Verdict, check_finite, verify_greedy, verify_sampling
@@ -33,8 +35,6 @@ from knapspec.window import WindowBuffer
 
 if TYPE_CHECKING:
     from transformers.generation.streamers import BaseStreamer
-
-    from knapspec.config import DecoderConfig
 
 
 @attrs.frozen
@@ -57,94 +57,86 @@ class GenerationResult:
 PREFILL_WINDOW_TOKENS = 8
 
 
-def _check_range(name: str, value: float, low: float, high: float) -> None:
-    if not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
-
-
 class SpeculativeDecoder:
     """Self-speculative decoder over a Hugging Face causal LM.
+
+    Every setting comes from ``config`` (:class:`~knapspec.config.DecoderConfig`, whose
+    defaults are the library's); a keyword argument given here overrides its field, and a
+    component instance given here replaces the one the config names. Components not
+    given are built by :func:`~knapspec.config.build_components`, the one factory, so a
+    planner that does not read the reference window gets no cost model or proxy.
 
     Args:
         model: a loaded model of a supported family (Llama, Mistral, Qwen2, Qwen3) or a
             :class:`SublayerEngine` wrapping one.
-        planner: chooses the draft mask and γ each round (default: the ``knapsack`` planner).
-        cost_model: latency predictions (default: an online-calibrated model seeded by a
-            cached or quick profile of this machine). Only built when the planner needs it.
-        proxy: value proxy for the planner (default: ``montecarlo``).
+        config: a :class:`~knapspec.config.DecoderConfig`, its dict form, or a TOML / JSON
+            file path (None: the defaults: the ``knapsack`` planner, the ``online`` cost
+            model seeded by a cached or quick profile of this machine, the
+            ``montecarlo`` proxy).
+        planner: chooses the draft mask and γ each round (replaces ``config.planner``).
+        cost_model: latency predictions (replaces ``config.cost_model``).
+        proxy: value proxy for the planner (replaces ``config.proxy``).
         max_draft_length: D, the largest γ (>= 1).
         window_rounds: m, rounds of committed tokens kept in the reference window (>= 1).
-        window_max_tokens: upper bound on the window's token count.
+        window_max_tokens: upper bound on the window's token count (>= 1).
         confidence_threshold: τ_conf in [0, 1]; drafting stops when the draft's top-1
             probability falls below it (the plan's γ is the cap). 0 disables early exit.
         sampling: default sampling parameters (greedy by default).
+
+    Attributes:
+        config: the effective configuration (``config`` with the keyword overrides).
+
+    Raises:
+        ValueError: a setting out of range (the message names it).
     """
 
     def __init__(
         self,
         model: nn.Module | SublayerEngine,
+        config: DecoderConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
         *,
         planner: Planner | None = None,
         cost_model: CostModel | None = None,
         proxy: ValueProxy | None = None,
-        max_draft_length: int = 10,
-        window_rounds: int = 5,
-        window_max_tokens: int = 64,
-        confidence_threshold: float = 0.7,
+        max_draft_length: int | None = None,
+        window_rounds: int | None = None,
+        window_max_tokens: int | None = None,
+        confidence_threshold: float | None = None,
         sampling: SamplingParams | None = None,
     ) -> None:
-        if max_draft_length < 1:
-            raise ValueError(f"max_draft_length must be >= 1, got {max_draft_length}")
-        if window_rounds < 1:
-            raise ValueError(f"window_rounds must be >= 1, got {window_rounds}")
-        if window_max_tokens < 1:
-            raise ValueError(f"window_max_tokens must be >= 1, got {window_max_tokens}")
-        _check_range("confidence_threshold", confidence_threshold, 0.0, 1.0)
+        overrides: dict[str, Any] = {
+            name: value
+            for name, value in (
+                ("max_draft_length", max_draft_length),
+                ("window_rounds", window_rounds),
+                ("window_max_tokens", window_max_tokens),
+                ("confidence_threshold", confidence_threshold),
+                ("sampling", sampling),
+            )
+            if value is not None
+        }
+        settings = as_decoder_config(config)
+        self.config = attrs.evolve(settings, **overrides) if overrides else settings
         self.engine = model if isinstance(model, SublayerEngine) else SublayerEngine(model)
-        self.planner = planner if planner is not None else _default_planner(self.engine)
-        needs_components = self.planner.uses_window
-        self.proxy = (
-            proxy if proxy is not None or not needs_components else _default_proxy(self.engine)
+        self.planner, self.cost_model, self.proxy = build_components(
+            self.config, self.engine, planner=planner, cost_model=cost_model, proxy=proxy
         )
-        self.cost_model = (
-            cost_model
-            if cost_model is not None or not needs_components
-            else _default_cost_model(self.engine)
-        )
-        self.max_draft_length = max_draft_length
-        self.confidence_threshold = confidence_threshold
-        self.sampling = sampling if sampling is not None else SamplingParams()
-        self._window = WindowBuffer(window_rounds, window_max_tokens)
+        self.max_draft_length = self.config.max_draft_length
+        self.confidence_threshold = self.config.confidence_threshold
+        self.sampling = self.config.sampling
+        self._window = WindowBuffer(self.config.window_rounds, self.config.window_max_tokens)
         self._cache = self.engine.new_cache(256)
 
     @classmethod
     def from_config(
-        cls, model: nn.Module | SublayerEngine, config: DecoderConfig | Any
+        cls,
+        model: nn.Module | SublayerEngine,
+        config: DecoderConfig | Mapping[str, Any] | str | os.PathLike[str],
     ) -> SpeculativeDecoder:
-        """Build every component from a :class:`~knapspec.config.DecoderConfig`.
-
-        ``config`` may also be a mapping (``DecoderConfig.from_dict``) or a path to a TOML /
-        JSON file.
+        """Build every component from a :class:`~knapspec.config.DecoderConfig`, its dict
+        form or a TOML / JSON file path (the same as ``SpeculativeDecoder(model, config)``).
         """
-        from knapspec.config import DecoderConfig, build_components, load_config
-
-        if isinstance(config, dict):
-            config = DecoderConfig.from_dict(config)
-        elif not isinstance(config, DecoderConfig):
-            config = load_config(config)
-        engine = model if isinstance(model, SublayerEngine) else SublayerEngine(model)
-        planner, cost_model, proxy = build_components(config, engine)
-        return cls(
-            engine,
-            planner=planner,
-            cost_model=cost_model,
-            proxy=proxy,
-            max_draft_length=config.max_draft_length,
-            window_rounds=config.window_rounds,
-            window_max_tokens=config.window_max_tokens,
-            confidence_threshold=config.confidence_threshold,
-            sampling=config.sampling,
-        )
+        return cls(model, config)
 
     # ------------------------------------------------------------------ API
     @torch.inference_mode()
@@ -465,26 +457,6 @@ class _Run:
                 predicted_acceptance=plan.predicted_acceptance,
             )
         )
-
-
-def _default_planner(engine: SublayerEngine) -> Planner:
-    from knapspec.planners import PLANNERS
-
-    cls = PLANNERS.get("knapsack")
-    return cls.from_config(cls.config_class(), engine)
-
-
-def _default_proxy(engine: SublayerEngine) -> ValueProxy:
-    from knapspec.proxies import PROXIES
-
-    cls = PROXIES.get("montecarlo")
-    return cls.from_config(cls.config_class(), engine)
-
-
-def _default_cost_model(engine: SublayerEngine) -> CostModel:
-    from knapspec.costmodels import default_cost_model
-
-    return default_cost_model(engine)
 
 
 __all__ = ["ContextLengthError", "GenerationResult", "SpeculativeDecoder"]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import attrs
 import torch
 
+from knapspec.components import Component
 from knapspec.registry import Registry
 from knapspec.sampling import SamplingParams
 from knapspec.types import DraftPlan, StepOutcome
@@ -72,19 +73,16 @@ class PlanningContext:
         return source is not None
 
 
-class Planner(abc.ABC):
+class Planner(Component, abc.ABC):
     """Chooses the draft mask and draft length γ for each speculation round.
 
     ``plan`` is called before every round and should return its current plan cheaply when
     it decides not to re-plan; the decoder times every call and reports it as plan time.
     """
 
-    registered_name: ClassVar[str] = ""
     #: Whether the planner reads the reference window (and so needs a cost model and a
     #: proxy); the decoder skips capturing hidden states for planners that do not.
     uses_window: ClassVar[bool] = True
-    #: attrs frozen class of validated hyper-parameters, consumed by ``from_config``.
-    config_class: ClassVar[type[Any]]
 
     @abc.abstractmethod
     def plan(self, context: PlanningContext) -> DraftPlan:
@@ -101,16 +99,11 @@ class Planner(abc.ABC):
         """
         return self.uses_window
 
-    def update(self, outcome: StepOutcome) -> None:  # noqa: B027 - optional hook
+    def update(self, outcome: StepOutcome) -> None:
         """Feedback after a round (accepted count, timings). Default: ignore."""
 
-    def reset(self) -> None:  # noqa: B027 - optional hook
+    def reset(self) -> None:
         """Forget per-generation state; called at the start of every ``generate``."""
-
-    @classmethod
-    def from_config(cls, config: Any, engine: SublayerEngine) -> Planner:
-        """Build from a validated config (registry entry point)."""
-        raise NotImplementedError(f"{cls.__name__} cannot be built from a config")
 
 
 PLANNERS: Registry[Planner] = Registry("planner")

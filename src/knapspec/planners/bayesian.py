@@ -35,7 +35,7 @@ exit (set it to 0.8 to mirror SWIFT).
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import attrs
 import numpy as np
@@ -48,21 +48,12 @@ from sklearn.gaussian_process.kernels import ConstantKernel, Matern, WhiteKernel
 from knapspec.planners.base import PLANNERS, Planner, PlanningContext
 from knapspec.planners.dp import trim_window
 from knapspec.types import DraftPlan, SublayerMask
+from knapspec.validators import open_unit_interval, unit_interval
 
 if TYPE_CHECKING:
     from knapspec.model.cache import KVCache
     from knapspec.model.engine import SublayerEngine
     from knapspec.window import ReferenceWindow
-
-
-def _open_unit_interval(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not 0.0 < value < 1.0:
-        raise ValueError(f"{attribute.name} must be in (0, 1), got {value}")
-
-
-def _unit_interval(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"{attribute.name} must be in [0, 1], got {value}")
 
 
 @attrs.frozen
@@ -96,16 +87,16 @@ class BayesianPlannerConfig:
         seed: seed of the candidate sampler and the GP optimiser.
     """
 
-    skip_ratio: float = attrs.field(default=0.45, validator=_open_unit_interval)
+    skip_ratio: float = attrs.field(default=0.45, validator=open_unit_interval)
     draft_length: int = attrs.field(default=10, validator=attrs.validators.ge(0))
-    matchness_target: float = attrs.field(default=0.93, validator=_unit_interval)
+    matchness_target: float = attrs.field(default=0.93, validator=unit_interval)
     max_iterations: int = attrs.field(default=128, validator=attrs.validators.ge(1))
     candidates_per_plan: int = attrs.field(default=4, validator=attrs.validators.ge(1))
     bo_interval: int = attrs.field(default=25, validator=attrs.validators.ge(1))
     acquisition_pool: int = attrs.field(default=256, validator=attrs.validators.ge(1))
     exploration: float = attrs.field(default=0.01, validator=attrs.validators.ge(0.0))
     window_tokens: int = attrs.field(default=48, validator=attrs.validators.ge(1))
-    min_draft_matchness: float = attrs.field(default=0.5, validator=_unit_interval)
+    min_draft_matchness: float = attrs.field(default=0.5, validator=unit_interval)
     keep_search_on_reset: bool = True
     seed: int = 0
 
@@ -263,7 +254,7 @@ class BayesianPlanner(Planner):
         self._start_search()
 
     @classmethod
-    def from_config(cls, config: Any, engine: SublayerEngine) -> BayesianPlanner:
+    def _construct(cls, config: Any, engine: SublayerEngine) -> Self:
         return cls(engine.num_layers, config)
 
     # ----------------------------------------------------------------- state

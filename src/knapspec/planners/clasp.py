@@ -18,28 +18,17 @@ confidence early exit still ends drafts sooner).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import attrs
 
 from knapspec.planners.base import PLANNERS, Planner, PlanningContext
 from knapspec.planners.dp import hidden_state_dp, layer_groups, trim_window
 from knapspec.types import DraftPlan, StepOutcome
+from knapspec.validators import at_least, open_unit_interval, optional
 
 if TYPE_CHECKING:
     from knapspec.model.engine import SublayerEngine
-
-
-def _optional_positive(
-    instance: object, attribute: attrs.Attribute[int | None], value: int | None
-) -> None:
-    if value is not None and value < 1:
-        raise ValueError(f"{attribute.name} must be >= 1 (or None), got {value}")
-
-
-def _open_unit_interval(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not 0.0 < value < 1.0:
-        raise ValueError(f"{attribute.name} must be in (0, 1), got {value}")
 
 
 @attrs.frozen
@@ -59,8 +48,8 @@ class CLaSpPlannerConfig:
             also bounds the prefill seed before the first verification).
     """
 
-    skip_layers: int | None = attrs.field(default=None, validator=_optional_positive)
-    skip_fraction: float = attrs.field(default=0.4, validator=_open_unit_interval)
+    skip_layers: int | None = attrs.field(default=None, validator=optional(at_least(1)))
+    skip_fraction: float = attrs.field(default=0.4, validator=open_unit_interval)
     draft_length: int = attrs.field(default=10, validator=attrs.validators.ge(0))
     last_verify_only: bool = True
     max_window_tokens: int = attrs.field(default=32, validator=attrs.validators.ge(1))
@@ -98,8 +87,12 @@ class CLaSpPlanner(Planner):
                 f"CLaSp must skip between 1 and {num_layers - 1} of the model's {num_layers} "
                 f"layers, got skip_layers={skip_layers}"
             )
-        if draft_length < 0:
-            raise ValueError(f"draft_length must be >= 0, got {draft_length}")
+        self.config = CLaSpPlannerConfig(
+            skip_layers=skip_layers,
+            draft_length=draft_length,
+            last_verify_only=last_verify_only,
+            max_window_tokens=max_window_tokens,
+        )
         self.num_layers = num_layers
         self.skip_layers = skip_layers
         self.draft_length = draft_length
@@ -108,7 +101,7 @@ class CLaSpPlanner(Planner):
         self.last_committed_: int | None = None
 
     @classmethod
-    def from_config(cls, config: Any, engine: SublayerEngine) -> CLaSpPlanner:
+    def _construct(cls, config: Any, engine: SublayerEngine) -> Self:
         layers = engine.num_layers
         skip = config.skip_layers
         if skip is None:

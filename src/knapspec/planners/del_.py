@@ -28,7 +28,7 @@ form.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import attrs
 import numpy as np
@@ -36,17 +36,11 @@ import torch
 
 from knapspec.planners.base import PLANNERS, Planner, PlanningContext
 from knapspec.types import DraftPlan, SublayerMask
+from knapspec.validators import at_least, optional
 
 if TYPE_CHECKING:
     from knapspec.model.engine import SublayerEngine
     from knapspec.window import ReferenceWindow
-
-
-def _optional_positive(
-    instance: object, attribute: attrs.Attribute[int | None], value: int | None
-) -> None:
-    if value is not None and value < 1:
-        raise ValueError(f"{attribute.name} must be >= 1 (or None), got {value}")
 
 
 @attrs.frozen
@@ -70,7 +64,7 @@ class DELPlannerConfig:
     """
 
     min_exit_layer: int = attrs.field(default=1, validator=attrs.validators.ge(1))
-    max_exit_layer: int | None = attrs.field(default=None, validator=_optional_positive)
+    max_exit_layer: int | None = attrs.field(default=None, validator=optional(at_least(1)))
     max_draft_length: int = attrs.field(default=10, validator=attrs.validators.ge(0))
     replan_interval: int = attrs.field(default=4, validator=attrs.validators.ge(1))
     history_tokens: int = attrs.field(default=64, validator=attrs.validators.ge(1))
@@ -168,7 +162,7 @@ class DELPlanner(Planner):
         self.reset()
 
     @classmethod
-    def from_config(cls, config: Any, engine: SublayerEngine) -> DELPlanner:
+    def _construct(cls, config: Any, engine: SublayerEngine) -> Self:
         return cls(engine.num_layers, config)
 
     def reset(self) -> None:

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 
 import attrs
 import torch
-import torch.nn.functional as F
 
+from knapspec.scores import mean_cosine
 from knapspec.types import SublayerMask
 from knapspec.window import ReferenceWindow
 
@@ -286,18 +286,6 @@ def additive_knapsack(
 
 
 # ------------------------------------------------------------------------ hidden-state value
-def mean_cosine(reference: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-    """Mean per-token cosine similarity: ``reference (r, d)``, ``candidates (B, r, d)`` -> ``(B,)``.
-
-    Computed in float32 whatever the model dtype, so that low-precision models do not lose
-    the small differences the DP compares.
-    """
-    similarity = F.cosine_similarity(
-        candidates.float(), reference.float().unsqueeze(0).expand_as(candidates), dim=-1, eps=1e-8
-    )
-    return similarity.mean(dim=-1)
-
-
 def single_items(num_engine_items: int) -> tuple[tuple[int, ...], ...]:
     """One DP item per engine item (KnapSpec's decoupled attention / MLP)."""
     return tuple((item,) for item in range(num_engine_items))

@@ -50,10 +50,10 @@ from knapspec.planners.objective import (
 )
 from knapspec.planners.replan import ReplanConfig, ReplanPolicy, ReplanReason
 from knapspec.types import DraftPlan, StepOutcome, SublayerMask
+from knapspec.validators import at_least, cosine, optional, unit_interval
 
 if TYPE_CHECKING:
     from knapspec.costmodels.base import CostModel
-    from knapspec.model.engine import SublayerEngine
 
 Objective = Literal["tpt", "tpl"]
 SearchGate = Literal["always", "copy"]
@@ -61,26 +61,13 @@ BoolArray = np.ndarray[Any, np.dtype[np.bool_]]
 FloatArray = np.ndarray[Any, np.dtype[np.float64]]
 
 
-def _probability(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and not -1.0 <= value <= 1.0:
-        raise ValueError(
-            f"{attribute.name} must be a cosine threshold in [-1, 1] or None, got {value}"
-        )
+_REPLAN_FIELDS = attrs.fields_dict(ReplanConfig)
 
 
-def _unit_interval(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"{attribute.name} must be in [0, 1], got {value}")
-
-
-def _optional_ge0(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and value < 0:
-        raise ValueError(f"{attribute.name} must be >= 0 or None, got {value}")
-
-
-def _optional_ge1(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and value < 1:
-        raise ValueError(f"{attribute.name} must be >= 1 or None, got {value}")
+def _replan_field(name: str) -> Any:
+    """The re-planning setting ``name``, with :class:`ReplanConfig`'s default and validator."""
+    field = _REPLAN_FIELDS[name]
+    return attrs.field(default=field.default, validator=field.validator)
 
 
 @attrs.frozen
@@ -129,50 +116,41 @@ class KnapsackPlannerConfig:
             (:class:`~knapspec.planners.replan.ReplanConfig`).
     """
 
-    tau: float | None = attrs.field(default=0.5, validator=_probability)
-    budget_fraction: float = attrs.field(default=0.5, validator=_unit_interval)
-    max_budget: int | None = attrs.field(default=12, validator=_optional_ge0)
-    max_window_tokens: int = attrs.field(default=4, validator=attrs.validators.ge(1))
-    max_batch_rows: int | None = attrs.field(default=32, validator=_optional_ge1)
+    tau: float | None = attrs.field(default=0.5, validator=optional(cosine))
+    budget_fraction: float = attrs.field(default=0.5, validator=unit_interval)
+    max_budget: int | None = attrs.field(default=12, validator=optional(at_least(0)))
+    max_window_tokens: int = attrs.field(default=4, validator=at_least(1))
+    max_batch_rows: int | None = attrs.field(default=32, validator=optional(at_least(1)))
     decoupled: bool = True
     objective: Objective = attrs.field(
         default="tpt", validator=attrs.validators.in_(("tpt", "tpl"))
     )
     allow_no_speculation: bool = True
     pareto_candidates: bool = True
-    max_draft_length: int | None = attrs.field(
-        default=None, validator=attrs.validators.optional(attrs.validators.ge(0))
-    )
+    max_draft_length: int | None = attrs.field(default=None, validator=optional(at_least(0)))
     amortise_planning: bool = True
     min_predicted_speedup: float = attrs.field(default=1.05, validator=attrs.validators.ge(1.0))
     acceptance_pseudo_counts: float = attrs.field(default=2.0, validator=attrs.validators.ge(0.0))
     search_gate: SearchGate = attrs.field(
         default="copy", validator=attrs.validators.in_(("always", "copy"))
     )
-    copy_ngram: int = attrs.field(default=3, validator=attrs.validators.ge(1))
-    copy_recent_tokens: int = attrs.field(default=16, validator=attrs.validators.ge(1))
-    min_copied_fraction: float = attrs.field(default=0.75, validator=_unit_interval)
-    context_growth: float | None = ReplanConfig().context_growth
-    acceptance_drift: float | None = ReplanConfig().acceptance_drift
-    drift_min_rounds: int = ReplanConfig().drift_min_rounds
-    acceptance_smoothing: float = ReplanConfig().acceptance_smoothing
-    every_rounds: int | None = ReplanConfig().every_rounds
-    max_planning_fraction: float | None = ReplanConfig().max_planning_fraction
-    prior_trials: float = ReplanConfig().prior_trials
-    max_backoff: int = ReplanConfig().max_backoff
+    copy_ngram: int = attrs.field(default=3, validator=at_least(1))
+    copy_recent_tokens: int = attrs.field(default=16, validator=at_least(1))
+    min_copied_fraction: float = attrs.field(default=0.75, validator=unit_interval)
+    # The re-planning settings: ReplanConfig's defaults and validators, so a file is
+    # checked when it is loaded, not when the planner is built.
+    context_growth: float | None = _replan_field("context_growth")
+    acceptance_drift: float | None = _replan_field("acceptance_drift")
+    drift_min_rounds: int = _replan_field("drift_min_rounds")
+    acceptance_smoothing: float = _replan_field("acceptance_smoothing")
+    every_rounds: int | None = _replan_field("every_rounds")
+    max_planning_fraction: float | None = _replan_field("max_planning_fraction")
+    prior_trials: float = _replan_field("prior_trials")
+    max_backoff: int = _replan_field("max_backoff")
 
     def replan_config(self) -> ReplanConfig:
-        """The re-planning fields as a validated :class:`ReplanConfig`."""
-        return ReplanConfig(
-            context_growth=self.context_growth,
-            acceptance_drift=self.acceptance_drift,
-            drift_min_rounds=self.drift_min_rounds,
-            acceptance_smoothing=self.acceptance_smoothing,
-            every_rounds=self.every_rounds,
-            max_planning_fraction=self.max_planning_fraction,
-            prior_trials=self.prior_trials,
-            max_backoff=self.max_backoff,
-        )
+        """The re-planning fields as a :class:`ReplanConfig`."""
+        return ReplanConfig(**{name: getattr(self, name) for name in _REPLAN_FIELDS})
 
 
 @attrs.frozen
@@ -209,6 +187,77 @@ class KnapsackSearch:
     breakeven_acceptance: float | None = None
 
 
+@attrs.frozen
+class _SearchSetup:
+    """What every step of one search shares (step 1's output).
+
+    Attributes:
+        num_layers: the model's depth.
+        context_length: ``n`` at planning time.
+        cost_model: the decoder's cost model (None under TPL without one).
+        prices_time: the TPT objective with a cost model (else layers are counted).
+        max_draft: the largest γ this search may choose.
+        weights: ``(w_attn, w_mlp)`` (``(1, 1)`` when not pricing time).
+        groups: the engine items of each DP item.
+        dp_weights: the DP item weights after tying and the common divisor.
+        max_budget: the skipped-weight bound.
+    """
+
+    num_layers: int
+    context_length: int
+    cost_model: CostModel | None
+    prices_time: bool
+    max_draft: int
+    weights: tuple[int, int]
+    groups: tuple[tuple[int, ...], ...]
+    dp_weights: tuple[int, ...]
+    max_budget: int
+
+    def result(
+        self,
+        plan: DraftPlan,
+        *,
+        shortcut: bool,
+        dp: HiddenStateDPResult | None = None,
+        candidates: tuple[int, ...] = (),
+        alphas: tuple[float, ...] = (),
+        grid: GridSearchResult | None = None,
+        breakeven_acceptance: float | None = None,
+    ) -> KnapsackSearch:
+        """The search record of ``plan`` under this setup."""
+        return KnapsackSearch(
+            plan=plan,
+            context_length=self.context_length,
+            weights=self.weights,
+            dp_weights=self.dp_weights,
+            max_budget=self.max_budget,
+            shortcut=shortcut,
+            dp=dp,
+            candidates=candidates,
+            alphas=alphas,
+            grid=grid,
+            seconds=0.0,
+            breakeven_acceptance=breakeven_acceptance,
+        )
+
+    def no_speculation(
+        self, *, shortcut: bool, dp: HiddenStateDPResult | None = None
+    ) -> KnapsackSearch:
+        """The γ = 0 result (plain steps), with the cost model's speed when it has one."""
+        speed = (
+            1.0 / self.cost_model.step_cost(self.context_length)
+            if self.cost_model is not None
+            else None
+        )
+        plan = DraftPlan(
+            SublayerMask.full(self.num_layers),
+            0,
+            predicted_tokens_per_second=speed,
+            source="knapsack",
+        )
+        return self.result(plan, shortcut=shortcut, dp=dp)
+
+
 @PLANNERS.register("knapsack")
 class KnapsackPlanner(Planner):
     """KnapSpec: knapsack DP over attention/MLP items, TPT grid search over drafts × γ.
@@ -226,20 +275,12 @@ class KnapsackPlanner(Planner):
     config_class = KnapsackPlannerConfig
 
     def __init__(self, config: KnapsackPlannerConfig | None = None) -> None:
-        self.config = config if config is not None else KnapsackPlannerConfig()
+        self.config: KnapsackPlannerConfig = self.checked_config(config)
         self.policy = ReplanPolicy(self.config.replan_config())
         self.last_search_: KnapsackSearch | None = None
         self.last_reason_: ReplanReason | None = None
         self.gated_rounds_ = 0
         self._copying = CopyTracker(self.config.copy_ngram, self.config.copy_recent_tokens)
-
-    @classmethod
-    def from_config(cls, config: Any, engine: SublayerEngine) -> KnapsackPlanner:
-        if not isinstance(config, KnapsackPlannerConfig):
-            raise TypeError(
-                f"KnapsackPlanner needs a KnapsackPlannerConfig, got {type(config).__name__}"
-            )
-        return cls(config)
 
     # ------------------------------------------------------------- Planner API
     def reset(self) -> None:
@@ -315,9 +356,40 @@ class KnapsackPlanner(Planner):
     def search(self, context: PlanningContext) -> KnapsackSearch:
         """One full plan, ignoring the re-planning policy (benchmarks call this directly).
 
-        The cache is only read. Raises :class:`ValueError` when the TPT objective has no
-        cost model or the context has no reference window.
+        The steps of the module docstring, each a method: :meth:`_setup` (weights and the
+        budget), the provable shortcut, the affordability check, :meth:`_run_dp`,
+        :meth:`_filter_candidates` and :meth:`_choose_plan`. The cache is only read.
+
+        Raises:
+            ValueError: the TPT objective has no cost model, or the context has no
+                reference window.
         """
+        setup = self._setup(context)
+        if not self._could_speculate(setup):
+            return setup.no_speculation(shortcut=True)
+        assert context.window is not None  # checked by _setup
+        tokens = self._dp_window_tokens(setup, context.window.size)
+        if (
+            setup.prices_time
+            and self.config.allow_no_speculation
+            and setup.cost_model is not None
+            and not self._search_affordable(
+                context, setup.cost_model, (setup.max_budget + 1) * tokens
+            )
+        ):
+            return setup.no_speculation(shortcut=False)
+        dp = self._run_dp(context, setup, tokens)
+        if dp.num_candidates == 0:
+            return setup.no_speculation(shortcut=False, dp=dp)
+        costs = self._round_costs(setup, dp)
+        candidates = self._filter_candidates(dp, costs)
+        if not candidates:
+            return setup.no_speculation(shortcut=False, dp=dp)
+        alphas = self._acceptance(context, dp, candidates)
+        return self._choose_plan(setup, dp, costs, candidates, alphas)
+
+    def _setup(self, context: PlanningContext) -> _SearchSetup:
+        """Step 1: the item weights at this context length and the skipped-weight bound."""
         config = self.config
         engine = context.engine
         n = context.context_length
@@ -332,11 +404,8 @@ class KnapsackPlanner(Planner):
         max_draft = context.max_draft_length
         if config.max_draft_length is not None:
             max_draft = min(max_draft, config.max_draft_length)
-        weights = (
-            cost_model.weights(n)
-            if (cost_model is not None and config.objective == "tpt")
-            else (1, 1)
-        )
+        prices_time = config.objective == "tpt" and cost_model is not None
+        weights = cost_model.weights(n) if (cost_model is not None and prices_time) else (1, 1)
         groups = (
             single_items(engine.num_items) if config.decoupled else layer_groups(engine.num_layers)
         )
@@ -344,93 +413,118 @@ class KnapsackPlanner(Planner):
         max_budget = half_budget(dp_weights, config.budget_fraction)
         if config.max_budget is not None:
             max_budget = min(max_budget, config.max_budget)
+        return _SearchSetup(
+            num_layers=engine.num_layers,
+            context_length=n,
+            cost_model=cost_model,
+            prices_time=prices_time,
+            max_draft=max_draft,
+            weights=weights,
+            groups=groups,
+            dp_weights=dp_weights,
+            max_budget=max_budget,
+        )
 
-        def no_speculation(shortcut: bool, dp: HiddenStateDPResult | None = None) -> KnapsackSearch:
-            tps = 1.0 / cost_model.step_cost(n) if cost_model is not None else None
-            plan = DraftPlan(
-                SublayerMask.full(engine.num_layers),
-                0,
-                predicted_tokens_per_second=tps,
-                source="knapsack",
-            )
-            return KnapsackSearch(
-                plan, n, weights, dp_weights, max_budget, shortcut, dp, (), (), None, 0.0
-            )
+    def _could_speculate(self, setup: _SearchSetup) -> bool:
+        """Step 2, the provable shortcut: False when no draft within the budget can beat a
+        plain step even at α = 1 (or there is no room to draft at all)."""
+        if setup.max_draft == 0 or setup.max_budget == 0:
+            return False
+        if not (setup.prices_time and self.config.allow_no_speculation):
+            return True
+        assert setup.cost_model is not None  # prices_time
+        return _can_beat_autoregressive(
+            setup.cost_model,
+            setup.groups,
+            setup.dp_weights,
+            setup.max_budget,
+            setup.context_length,
+            setup.max_draft,
+        )
 
-        if max_draft == 0 or max_budget == 0:
-            return no_speculation(shortcut=True)
-        tpt = config.objective == "tpt" and cost_model is not None
-        # Provable shortcut: not even the cheapest draft at α = 1 beats a plain step.
-        if (
-            tpt
-            and config.allow_no_speculation
-            and cost_model is not None
-            and not _can_beat_autoregressive(
-                cost_model, groups, dp_weights, max_budget, n, max_draft
-            )
-        ):
-            return no_speculation(shortcut=True)
+    def _dp_window_tokens(self, setup: _SearchSetup, window_size: int) -> int:
+        """Window tokens the DP uses: the configured cap, shortened so that live budgets ×
+        tokens stays within ``max_batch_rows`` (at least one token)."""
+        tokens = min(self.config.max_window_tokens, window_size)
+        if self.config.max_batch_rows is not None:
+            tokens = max(1, min(tokens, self.config.max_batch_rows // (setup.max_budget + 1)))
+        return tokens
 
-        budgets = max_budget + 1
-        tokens = min(config.max_window_tokens, context.window.size)
-        if config.max_batch_rows is not None:
-            tokens = max(1, min(tokens, config.max_batch_rows // budgets))
-        if (
-            tpt
-            and config.allow_no_speculation
-            and cost_model is not None
-            and not self._search_affordable(context, cost_model, budgets * tokens)
-        ):
-            return no_speculation(shortcut=False)
+    def _run_dp(
+        self, context: PlanningContext, setup: _SearchSetup, tokens: int
+    ) -> HiddenStateDPResult:
+        """Step 3: the hidden-state DP, one candidate mask per reachable skipped weight."""
+        assert context.window is not None  # checked by _setup
+        tau = self.config.tau
+        if context.proxy is not None and tau is not None:
+            low, high = context.proxy.score_range
+            if not low <= tau <= high:
+                raise ValueError(
+                    f"KnapsackPlanner tau={tau} lies outside the proxy's score range "
+                    f"[{low}, {high}], so the DP would prune every draft; set tau inside "
+                    "it or to None"
+                )
         score_fn = context.proxy.score if context.proxy is not None else mean_cosine
-        dp = hidden_state_dp(
-            engine,
+        return hidden_state_dp(
+            context.engine,
             context.window,
             context.cache,
-            dp_weights,
-            max_budget=max_budget,
-            groups=groups,
-            min_score=config.tau,
+            setup.dp_weights,
+            max_budget=setup.max_budget,
+            groups=setup.groups,
+            min_score=self.config.tau,
             score_fn=score_fn,
             max_window_tokens=tokens,
         )
-        if dp.num_candidates == 0:
-            return no_speculation(shortcut=False, dp=dp)
 
-        planning = self.policy.amortised_planning_seconds if config.amortise_planning else 0.0
-        if tpt and cost_model is not None:
-            costs = RoundCosts.from_cost_model(cost_model, dp.masks, n, max_draft, planning)
-        else:
-            costs = RoundCosts.layer_counting(dp.masks, max_draft)
+    def _round_costs(self, setup: _SearchSetup, dp: HiddenStateDPResult) -> RoundCosts:
+        """Per candidate the draft cost, per γ the verify cost, plus amortised planning."""
+        planning = self.policy.amortised_planning_seconds if self.config.amortise_planning else 0.0
+        if setup.prices_time and setup.cost_model is not None:
+            return RoundCosts.from_cost_model(
+                setup.cost_model, dp.masks, setup.context_length, setup.max_draft, planning
+            )
+        return RoundCosts.layer_counting(dp.masks, setup.max_draft)
+
+    def _filter_candidates(self, dp: HiddenStateDPResult, costs: RoundCosts) -> tuple[int, ...]:
+        """Step 4: the DP candidates worth an α estimate (indices into ``dp.masks``)."""
         # A draft that skips nothing is the target itself: it costs a full step per token,
         # so it can never beat plain decoding whatever a miscalibrated cost model says.
         keep = np.array([mask.num_skipped > 0 for mask in dp.masks], dtype=bool)
-        if config.allow_no_speculation:
+        if self.config.allow_no_speculation:
             keep &= _can_pay_at_perfect_acceptance(costs)
-        if config.pareto_candidates:
+        if self.config.pareto_candidates:
             keep &= _pareto_front(dp.scores.double().cpu().numpy(), costs.draft)
-        candidates = tuple(int(i) for i in np.flatnonzero(keep))
-        if not candidates:
-            return no_speculation(shortcut=False, dp=dp)
-        alphas = self._acceptance(context, dp, candidates)
+        return tuple(int(i) for i in np.flatnonzero(keep))
+
+    def _choose_plan(
+        self,
+        setup: _SearchSetup,
+        dp: HiddenStateDPResult,
+        costs: RoundCosts,
+        candidates: tuple[int, ...],
+        alphas: list[float],
+    ) -> KnapsackSearch:
+        """Step 5: the grid search over candidates × γ, then the margin a speculative plan
+        must clear (``min_predicted_speedup``)."""
+        config = self.config
         subset = RoundCosts(
             draft=costs.draft[list(candidates)], verify=costs.verify, planning=costs.planning
         )
         grid = grid_search(alphas, subset, allow_no_speculation=config.allow_no_speculation)
-        chosen = candidates[grid.candidate]
         if (
-            tpt
+            setup.prices_time
             and config.allow_no_speculation
             and grid.draft_length > 0
             and grid.objective * float(costs.verify[0]) < config.min_predicted_speedup
         ):
             grid = attrs.evolve(grid, candidate=0, draft_length=0)
         if grid.draft_length == 0:
-            result = no_speculation(shortcut=False, dp=dp)
+            result = setup.no_speculation(shortcut=False, dp=dp)
             return attrs.evolve(result, candidates=candidates, alphas=tuple(alphas), grid=grid)
-        tps: float | None = grid.objective
+        mask = dp.masks[candidates[grid.candidate]]
         breakeven = None
-        if tpt and cost_model is not None:
+        if setup.prices_time:
             breakeven = breakeven_acceptance(
                 grid.draft_length,
                 float(subset.draft[grid.candidate]),
@@ -438,34 +532,36 @@ class KnapsackPlanner(Planner):
                 float(costs.verify[0]),
                 costs.planning,
             )
-        if not tpt:
-            tps = None
-            if cost_model is not None:
-                spend = grid.draft_length * cost_model.draft_cost(dp.masks[chosen], n)
-                tps = grid.expected_tokens / (
-                    spend + cost_model.verify_cost(grid.draft_length + 1, n)
-                )
         plan = DraftPlan(
-            dp.masks[chosen],
+            mask,
             grid.draft_length,
             predicted_acceptance=float(alphas[grid.candidate]),
-            predicted_tokens_per_second=tps,
+            predicted_tokens_per_second=self._predicted_speed(setup, grid, mask),
             source="knapsack",
         )
-        return KnapsackSearch(
+        return setup.result(
             plan,
-            n,
-            weights,
-            dp_weights,
-            max_budget,
-            False,
-            dp,
-            candidates,
-            tuple(alphas),
-            grid,
-            0.0,
-            breakeven,
+            shortcut=False,
+            dp=dp,
+            candidates=candidates,
+            alphas=tuple(alphas),
+            grid=grid,
+            breakeven_acceptance=breakeven,
         )
+
+    @staticmethod
+    def _predicted_speed(
+        setup: _SearchSetup, grid: GridSearchResult, mask: SublayerMask
+    ) -> float | None:
+        """Tokens per second of the chosen plan: the TPT objective itself, or under TPL the
+        cost model's price of the chosen round (None without a cost model)."""
+        if setup.prices_time:
+            return grid.objective
+        cost_model, n = setup.cost_model, setup.context_length
+        if cost_model is None:
+            return None
+        spend = grid.draft_length * cost_model.draft_cost(mask, n)
+        return grid.expected_tokens / (spend + cost_model.verify_cost(grid.draft_length + 1, n))
 
     def _search_worthwhile(self, context: PlanningContext) -> bool:
         """The search gate: True unless ``search_gate="copy"`` and the recent output is not

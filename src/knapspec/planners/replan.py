@@ -35,26 +35,11 @@ The amortised planning share therefore stays near ``f / 2^backoff`` whatever one
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
 
 import attrs
 
 from knapspec.types import DraftPlan, StepOutcome
-
-
-def _fraction(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and not 0.0 < value < 1.0:
-        raise ValueError(f"{attribute.name} must be in (0, 1) or None, got {value}")
-
-
-def _positive_or_none(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and not value > 0:
-        raise ValueError(f"{attribute.name} must be > 0 or None, got {value}")
-
-
-def _optional_at_least_one(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and value < 1:
-        raise ValueError(f"{attribute.name} must be >= 1 or None, got {value}")
+from knapspec.validators import at_least, open_unit_interval, optional, positive
 
 
 @attrs.frozen
@@ -78,12 +63,14 @@ class ReplanConfig:
             searches that did not pay (0: no back-off).
     """
 
-    context_growth: float | None = attrs.field(default=0.25, validator=_positive_or_none)
-    acceptance_drift: float | None = attrs.field(default=0.2, validator=_positive_or_none)
+    context_growth: float | None = attrs.field(default=0.25, validator=optional(positive))
+    acceptance_drift: float | None = attrs.field(default=0.2, validator=optional(positive))
     drift_min_rounds: int = attrs.field(default=4, validator=attrs.validators.ge(1))
-    acceptance_smoothing: float = attrs.field(default=0.3, validator=_fraction)
-    every_rounds: int | None = attrs.field(default=32, validator=_optional_at_least_one)
-    max_planning_fraction: float | None = attrs.field(default=0.02, validator=_fraction)
+    acceptance_smoothing: float = attrs.field(default=0.3, validator=open_unit_interval)
+    every_rounds: int | None = attrs.field(default=32, validator=optional(at_least(1)))
+    max_planning_fraction: float | None = attrs.field(
+        default=0.02, validator=optional(open_unit_interval)
+    )
     prior_trials: float = attrs.field(default=4.0, validator=attrs.validators.ge(0.0))
     max_backoff: int = attrs.field(default=3, validator=attrs.validators.ge(0))
 

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Self
 
 import attrs
 
 from knapspec.planners.base import PLANNERS, Planner, PlanningContext
 from knapspec.types import DraftPlan, SublayerMask
+from knapspec.validators import at_least
 
 if TYPE_CHECKING:
     from knapspec.model.engine import SublayerEngine
 
 
-def _non_negative(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if value < 0:
-        raise ValueError(f"{attribute.name} must be >= 0, got {value}")
+def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(values)
 
 
 @attrs.frozen
@@ -28,8 +29,8 @@ class StaticPlannerConfig:
         draft_length: γ used every round (0 = plain autoregressive decoding).
     """
 
-    skipped_items: tuple[int, ...] = attrs.field(default=(), converter=tuple)
-    draft_length: int = attrs.field(default=4, validator=_non_negative)
+    skipped_items: tuple[int, ...] = attrs.field(default=(), converter=_int_tuple)
+    draft_length: int = attrs.field(default=4, validator=at_least(0))
 
 
 @PLANNERS.register("static")
@@ -45,8 +46,7 @@ class StaticPlanner(Planner):
     uses_window = False
 
     def __init__(self, mask: SublayerMask, draft_length: int) -> None:
-        if draft_length < 0:
-            raise ValueError(f"draft_length must be >= 0, got {draft_length}")
+        self.config = StaticPlannerConfig(mask.skipped, draft_length)
         self.mask = mask
         self.draft_length = draft_length
 
@@ -56,7 +56,7 @@ class StaticPlanner(Planner):
         return cls(plan.mask, plan.draft_length)
 
     @classmethod
-    def from_config(cls, config: Any, engine: SublayerEngine) -> StaticPlanner:
+    def _construct(cls, config: Any, engine: SublayerEngine) -> Self:
         mask = SublayerMask.from_skipped(engine.num_layers, config.skipped_items)
         return cls(mask, config.draft_length)
 
@@ -78,8 +78,8 @@ class EarlyExitPlannerConfig:
         draft_length: γ used every round.
     """
 
-    exit_layer: int = attrs.field(default=8, validator=attrs.validators.ge(1))
-    draft_length: int = attrs.field(default=4, validator=_non_negative)
+    exit_layer: int = attrs.field(default=8, validator=at_least(1))
+    draft_length: int = attrs.field(default=4, validator=at_least(0))
 
 
 @PLANNERS.register("early-exit")
@@ -89,7 +89,7 @@ class EarlyExitPlanner(StaticPlanner):
     config_class = EarlyExitPlannerConfig  # type: ignore[assignment]
 
     @classmethod
-    def from_config(cls, config: Any, engine: SublayerEngine) -> EarlyExitPlanner:
+    def _construct(cls, config: Any, engine: SublayerEngine) -> Self:
         if config.exit_layer > engine.num_layers:
             raise ValueError(
                 f"exit_layer={config.exit_layer} exceeds the model's {engine.num_layers} layers"
@@ -111,9 +111,8 @@ class AutoregressivePlanner(Planner):
     config_class = AutoregressivePlannerConfig
     uses_window = False
 
-    @classmethod
-    def from_config(cls, config: Any, engine: SublayerEngine) -> AutoregressivePlanner:
-        return cls()
+    def __init__(self, config: AutoregressivePlannerConfig | None = None) -> None:
+        self.config = self.checked_config(config)
 
     def plan(self, context: PlanningContext) -> DraftPlan:
         return DraftPlan.autoregressive(context.engine.num_layers, source="autoregressive")

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
+from knapspec.components import Component
 from knapspec.registry import Registry
 from knapspec.sampling import SamplingParams
 
@@ -26,16 +27,20 @@ class AcceptanceEstimate:
     samples: int
 
 
-class ValueProxy(abc.ABC):
+class ValueProxy(Component, abc.ABC):
     """Scores candidate drafts against the reference window.
 
-    ``score`` is the value a planner maximises (higher = closer to the full model);
-    ``estimate_acceptance`` turns a candidate into the α used by TPT.
+    ``score`` is the value a planner maximises (higher = closer to the full model), on the
+    scale :attr:`score_range` declares (a planner's pruning threshold, such as the knapsack
+    planner's ``tau``, is on that scale); ``estimate_acceptance`` turns a candidate into
+    the α used by TPT.
     """
 
-    registered_name: ClassVar[str] = ""
-    #: attrs frozen class of validated hyper-parameters, consumed by ``from_config``.
-    config_class: ClassVar[type[Any]]
+    @property
+    def score_range(self) -> tuple[float, float]:
+        """``(low, high)``: every ``score`` lies in this closed interval (bounds may be
+        infinite). Default: a cosine's ``[-1, 1]``."""
+        return (-1.0, 1.0)
 
     @abc.abstractmethod
     def score(self, reference: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
@@ -63,11 +68,6 @@ class ValueProxy(abc.ABC):
             candidate_final: ``(B, r, d)`` each candidate's last residual state on the
                 window (teacher-forced).
         """
-
-    @classmethod
-    def from_config(cls, config: Any, engine: SublayerEngine) -> ValueProxy:
-        """Build from a validated config (registry entry point)."""
-        raise NotImplementedError(f"{cls.__name__} cannot be built from a config")
 
 
 PROXIES: Registry[ValueProxy] = Registry("value proxy")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 import attrs
 import torch
@@ -18,12 +18,10 @@ from knapspec.proxies.lemma import (
     lemma_states,
     reference_margins,
 )
-from knapspec.proxies.validation import (
-    check_score_inputs,
-    check_window_inputs,
-    open_unit_interval,
-)
+from knapspec.proxies.validation import check_score_inputs, check_window_inputs
 from knapspec.sampling import SamplingParams
+from knapspec.scores import mean_cosine
+from knapspec.validators import open_unit_interval
 
 if TYPE_CHECKING:
     from knapspec.model.engine import SublayerEngine
@@ -61,22 +59,6 @@ class CosineProxyConfig:
     confidence: float = attrs.field(default=0.95, validator=open_unit_interval)
 
 
-def mean_cosine(reference: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
-    """Mean per-token cosine of each branch to the reference.
-
-    Args:
-        reference: ``(r, d)``; candidate: ``(B, r, d)``.
-
-    Returns:
-        ``(B,)`` in [-1, 1], float32.
-    """
-    check_score_inputs(reference, candidate)
-    similarity = torch.nn.functional.cosine_similarity(
-        candidate.float(), reference.float().unsqueeze(0), dim=-1
-    )
-    return similarity.mean(dim=-1)
-
-
 @PROXIES.register("cosine")
 class CosineProxy(ValueProxy):
     """Mean per-token cosine similarity, plus Lemma 4.1 certificates for greedy agreement.
@@ -105,14 +87,13 @@ class CosineProxy(ValueProxy):
         self._margins: tuple[ReferenceWindow, ReferenceMargins] | None = None
 
     @classmethod
-    def from_config(cls, config: Any, engine: SublayerEngine) -> CosineProxy:
-        if not isinstance(config, CosineProxyConfig):
-            raise TypeError(f"expected CosineProxyConfig, got {type(config).__name__}")
+    def _construct(cls, config: Any, engine: SublayerEngine) -> Self:
         return cls(acceptance=config.acceptance, space=config.space, confidence=config.confidence)
 
     @torch.inference_mode()
     def score(self, reference: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
         """``(B,)`` mean per-token cosine of ``candidate (B, r, d)`` to ``reference (r, d)``."""
+        check_score_inputs(reference, candidate)
         return mean_cosine(reference, candidate)
 
     # ------------------------------------------------------------ certificates

@@ -36,15 +36,12 @@ import attrs
 import torch
 from torch import nn
 
+from knapspec.validators import check_finite
+
 LemmaSpace = Literal["normed", "folded"]
 
 #: Rows of the Gram block computed at once; bounds memory at ``chunk * V`` floats.
 _GRAM_CHUNK = 64
-
-
-def _check_finite(name: str, tensor: torch.Tensor) -> None:
-    if not bool(torch.isfinite(tensor).all()):
-        raise ValueError(f"{name} contains NaN or infinite values")
 
 
 def _check_head(weight: torch.Tensor) -> None:
@@ -64,7 +61,7 @@ def _check_states(name: str, states: torch.Tensor, d_model: int) -> None:
         )
     if states.numel() == 0:
         raise ValueError(f"{name} is empty (no tokens in the window)")
-    _check_finite(name, states)
+    check_finite(name, states)
 
 
 def greedy_margin(weight: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +121,7 @@ class HeadGeometry:
         cache_size: int = 4096,
     ) -> None:
         _check_head(weight)
-        _check_finite("LM head weight", weight)
+        check_finite("LM head weight", weight)
         weight = weight.detach()
         if not weight.is_floating_point():
             raise TypeError(f"LM head weight must be floating point, got {weight.dtype}")
@@ -135,7 +132,7 @@ class HeadGeometry:
                     f"{tuple(channel_scale.shape)}"
                 )
             channel_scale = channel_scale.detach().to(weight.dtype)
-            _check_finite("channel_scale", channel_scale)
+            check_finite("channel_scale", channel_scale)
         self.weight = weight
         self.channel_scale = channel_scale
         self.cache_size = cache_size

@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+import math
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 import attrs
 import torch
 
 from knapspec.proxies.base import PROXIES, AcceptanceEstimate, ValueProxy
-from knapspec.proxies.cosine import mean_cosine
 from knapspec.proxies.intervals import mean_interval, wilson_interval
-from knapspec.proxies.validation import (
-    check_finite,
-    check_score_inputs,
-    check_window_inputs,
-    open_unit_interval,
-)
+from knapspec.proxies.validation import check_score_inputs, check_window_inputs
 from knapspec.sampling import SamplingParams, processed_probs
+from knapspec.scores import mean_cosine
+from knapspec.validators import check_finite, open_unit_interval
 
 if TYPE_CHECKING:
     from knapspec.model.engine import SublayerEngine
@@ -98,17 +95,21 @@ class MonteCarloAcceptanceProxy(ValueProxy):
         self._target_logits: tuple[ReferenceWindow, torch.Tensor] | None = None
 
     @classmethod
-    def from_config(cls, config: Any, engine: SublayerEngine) -> MonteCarloAcceptanceProxy:
-        if not isinstance(config, MonteCarloProxyConfig):
-            raise TypeError(f"expected MonteCarloProxyConfig, got {type(config).__name__}")
+    def _construct(cls, config: Any, engine: SublayerEngine) -> Self:
         return cls(score=config.score, confidence=config.confidence, engine=engine)
+
+    @property
+    def score_range(self) -> tuple[float, float]:
+        """``[-1, 1]`` for ``score="cosine"``; ``(-inf, 0]`` for ``"neg-kl"`` (a negated
+        divergence)."""
+        return (-1.0, 1.0) if self.config.score == "cosine" else (-math.inf, 0.0)
 
     @torch.inference_mode()
     def score(self, reference: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
         """``(B,)`` value of ``candidate (B, r, d)`` against ``reference (r, d)``."""
+        check_score_inputs(reference, candidate)
         if self.config.score == "cosine":
             return mean_cosine(reference, candidate)
-        check_score_inputs(reference, candidate)
         assert self.engine is not None  # checked in __init__
         target = torch.log_softmax(self.engine.logits(reference), dim=-1)  # (r, V)
         values = []

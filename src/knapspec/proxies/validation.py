@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
+
+from knapspec.validators import check_finite
 
 if TYPE_CHECKING:
     from knapspec.model.engine import SublayerEngine
     from knapspec.window import ReferenceWindow
-
-
-def open_unit_interval(instance: object, attribute: Any, value: float) -> None:
-    """attrs validator: ``value`` in the open interval (0, 1) (confidence levels)."""
-    if not 0.0 < value < 1.0:
-        raise ValueError(f"{attribute.name} must be in (0, 1), got {value}")
-
-
-def check_finite(name: str, tensor: torch.Tensor) -> None:
-    """Raise ``ValueError`` when ``tensor`` holds NaN or infinite values."""
-    if not bool(torch.isfinite(tensor).all()):
-        raise ValueError(f"{name} contains NaN or infinite values")
 
 
 def check_score_inputs(reference: torch.Tensor, candidate: torch.Tensor) -> None:
