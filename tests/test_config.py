@@ -27,14 +27,12 @@ from knapspec.config import (
     ConfigError,
     DecoderConfig,
     apply_overrides,
-    attribute_docs,
-    component_fields,
-    describe_fields,
     load_builtin_components,
     load_config,
     parse_override,
     save_config,
 )
+from knapspec.introspection import attribute_docs, component_fields, describe_fields
 from knapspec.planners.static import EarlyExitPlannerConfig, StaticPlannerConfig
 from knapspec.registry import UnknownComponentError
 from knapspec.sampling import SamplingParams

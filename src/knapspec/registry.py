@@ -5,9 +5,10 @@ Usage (the timm pattern)::
     @PLANNERS.register("my-planner")
     class MyPlanner(Planner): ...
 
-Every registered class carries an attrs ``Config`` class (its validated hyper-parameters)
-and a ``from_config(config, engine)`` constructor; :func:`knapspec.config` builds
-components through :meth:`Registry.build`. Third-party code registers the same way, or
+Every registered class is a :class:`~knapspec.components.Component`: it carries an attrs
+``config_class`` (its validated hyper-parameters) and a ``from_config(config, engine)``
+constructor; :func:`knapspec.config.build_components` looks classes up here and builds
+them with it. Third-party code registers the same way, or
 names a class by dotted path (``"package.module:ClassName"``) when ``allow_dotted`` is on.
 """
 

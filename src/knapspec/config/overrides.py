@@ -1,0 +1,100 @@
+"""``--set KEY=VALUE`` overrides of a :class:`~knapspec.config.schema.DecoderConfig`."""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from knapspec.config.coercion import ConfigError
+from knapspec.config.schema import COMPONENT_REGISTRIES, DecoderConfig
+from knapspec.registry import UnknownComponentError
+
+
+def parse_override(override: str) -> tuple[list[str], Any]:
+    """``"planner.tau=0.6"`` -> ``(["planner", "tau"], 0.6)``.
+
+    The value is read as a TOML value (``0.6``, ``true``, ``[1, 2]``, ``"text"``); a bare
+    word that is not valid TOML (``static``) is taken as a string.
+
+    Raises:
+        ConfigError: no ``=``, an empty or malformed key, or a malformed value.
+    """
+    key, sep, text = override.partition("=")
+    key, text = key.strip(), text.strip()
+    if not sep:
+        raise ConfigError(f"--set {override!r}: expected KEY=VALUE (e.g. planner.tau=0.6)")
+    parts = key.split(".")
+    if not key or any(not part for part in parts) or len(parts) > 2:
+        raise ConfigError(
+            f"--set {override!r}: bad key {key!r}; use FIELD or SECTION.FIELD "
+            "(e.g. max_draft_length, planner.tau)"
+        )
+    if not text:
+        raise ConfigError(f"--set {override!r}: missing value after '='")
+    try:
+        value = tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError as error:
+        if text[0] in "\"'[{" or not all(c.isalnum() or c in "-_./:" for c in text):
+            raise ConfigError(f"--set {override!r}: cannot parse value {text!r}: {error}") from None
+        value = text  # a bare word such as a component name
+    return parts, value
+
+
+def apply_overrides(config: DecoderConfig, overrides: Sequence[str]) -> DecoderConfig:
+    """A copy of ``config`` with ``--set``-style ``KEY=VALUE`` overrides applied.
+
+    Component name changes (``planner.name=static``) are applied first and reset that
+    component's params to its defaults; the remaining overrides then apply in order, so
+    ``["planner.draft_length=3", "planner.name=static"]`` sets static's draft length.
+
+    Raises:
+        ConfigError: bad syntax, an unknown key, or an invalid value (message quotes the
+            override and names the field).
+        UnknownComponentError: an unknown component name.
+    """
+    parsed = [(override, *parse_override(override)) for override in overrides]
+    names_first = sorted(parsed, key=lambda item: not (len(item[1]) == 2 and item[1][1] == "name"))
+    data = config.to_dict()
+    for override, parts, value in names_first:
+        candidate = _set_key(data, parts, value, override)
+        try:
+            DecoderConfig.from_dict(candidate)
+        except ConfigError as error:
+            raise ConfigError(f"--set {override!r}: {error}") from error
+        except UnknownComponentError as error:
+            raise UnknownComponentError(f"--set {override!r}: {error}") from error
+        data = candidate
+    return DecoderConfig.from_dict(data)
+
+
+def _set_key(data: dict[str, Any], parts: list[str], value: Any, override: str) -> dict[str, Any]:
+    result = dict(data)
+    head = parts[0]
+    if head not in result:
+        close = difflib.get_close_matches(head, list(result), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(
+            f"--set {override!r}: unknown key {head!r}; valid: {', '.join(result)}{hint}"
+        )
+    if len(parts) == 1:
+        if isinstance(result[head], Mapping):
+            raise ConfigError(
+                f"--set {override!r}: {head!r} is a section; set one of its fields "
+                f"({head}.FIELD=VALUE)"
+            )
+        result[head] = value
+        return result
+    section = result[head]
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"--set {override!r}: {head!r} is not a section")
+    field = parts[1]
+    if head in COMPONENT_REGISTRIES and field == "name" and value != section.get("name"):
+        result[head] = {"name": value}  # another component: its own defaults
+    else:
+        result[head] = {**section, field: value}
+    return result
+
+
+__all__ = ["apply_overrides", "parse_override"]
