@@ -38,7 +38,7 @@ from knapspec.costmodels import (
     knapsack_weights,
     profile_engine,
 )
-from knapspec.costmodels import defaults as defaults_module
+from knapspec.costmodels import store as store_module
 from knapspec.costmodels.profiler import PLANNING_WIDTHS
 from knapspec.model.engine import SublayerEngine
 from knapspec.types import SublayerMask
@@ -835,10 +835,10 @@ def test_default_cost_model_profiles_once_then_loads_the_cache(
         calls.append(kwargs.get("quick", False))
         return attrs.evolve(synthetic_profile(layers=2), key=ProfileKey.for_engine(engine))
 
-    monkeypatch.setattr(defaults_module, "profile_engine", fake_profile)
+    monkeypatch.setattr(store_module, "profile_engine", fake_profile)
     first = default_cost_model(engine)
     assert isinstance(first, OnlineCalibratedCostModel) and calls == [True]
-    cached = defaults_module.default_profile_path(engine)
+    cached = store_module.default_profile_path(engine)
     assert cached.is_relative_to(tmp_path / "profiles") and cached.exists()
     default_cost_model(engine)
     assert calls == [True]  # loaded, not re-profiled

@@ -13,11 +13,12 @@ import argparse
 import importlib
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from knapspec.config import ConfigError, DecoderConfig, apply_overrides, load_config
+from knapspec.cli_common import load_decoder_config, positive_int
+from knapspec.config import ConfigError
 from knapspec.model.engine import ContextLengthError, UnsupportedModelError
 from knapspec.registry import UnknownComponentError
 
@@ -183,24 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def positive_int(text: str) -> int:
-    """argparse type: a positive integer (shared by every subcommand)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 # ------------------------------------------------------------------------- helpers
-def load_decoder_config(config_path: Path | None, overrides: Sequence[str]) -> DecoderConfig:
-    """The config file (or the defaults) with ``--set`` overrides applied."""
-    config = load_config(config_path) if config_path is not None else DecoderConfig()
-    return apply_overrides(config, overrides) if overrides else config
-
-
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt_file is not None:
         try:
@@ -426,7 +410,7 @@ def _cmd_profile(args: argparse.Namespace, extra: Sequence[str]) -> int:
     profile = profile_engine(
         engine, max_tokens=config.max_draft_length + 1, quick=args.quick, progress=True
     )
-    from knapspec.costmodels.defaults import default_profile_path
+    from knapspec.costmodels.store import default_profile_path
 
     output = args.output if args.output is not None else default_profile_path(engine)
     try:
@@ -442,18 +426,8 @@ def _cmd_bench(args: argparse.Namespace, extra: Sequence[str]) -> int:
     # the harness receives the original arguments and parses them itself.
     if args.config is not None or args.overrides:
         load_decoder_config(args.config, args.overrides)
-    try:
-        bench = importlib.import_module("knapspec.bench")
-    except ModuleNotFoundError as error:
-        if error.name != "knapspec.bench":
-            raise
-        bench = None
-    cli_main: Callable[[list[str]], int] | None = getattr(bench, "cli_main", None)
-    if cli_main is None:
-        raise UsageError(
-            "the benchmark harness is not available in this installation "
-            "(knapspec.bench.cli_main is missing)"
-        )
+    from knapspec.bench.cli import cli_main  # the harness imports torch & co.: load on use
+
     return int(cli_main(list(args.bench_argv)) or 0)
 
 

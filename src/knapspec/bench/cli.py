@@ -24,8 +24,8 @@ from knapspec.bench.records import LosslessnessError
 from knapspec.bench.report import ReportError, RunData, write_docs, write_report
 from knapspec.bench.runner import BenchOptions, command_line, run_benchmark
 from knapspec.bench.scenarios import default_scenarios, select_scenarios
-from knapspec.cli import positive_int
-from knapspec.config import ConfigError, DecoderConfig, apply_overrides, load_config
+from knapspec.cli_common import load_decoder_config, positive_int
+from knapspec.config import ConfigError, DecoderConfig
 
 PROG = "knapspec bench"
 QUICK_ORACLE = OracleOptions(sizes=(1, 2, 4), families=FAMILIES, repeats=2, max_tokens=16)
@@ -159,8 +159,7 @@ def report_parser() -> argparse.ArgumentParser:
 
 
 def _base_config(args: argparse.Namespace) -> DecoderConfig:
-    config = load_config(args.config) if args.config is not None else DecoderConfig()
-    return apply_overrides(config, args.overrides) if args.overrides else config
+    return load_decoder_config(args.config, args.overrides)
 
 
 def _options(args: argparse.Namespace, argv: Sequence[str] | None) -> BenchOptions:

@@ -5,12 +5,7 @@ Importing this package registers the built-in cost models eagerly: ``"linear"``
 """
 
 from knapspec.costmodels.base import COST_MODELS, CostModel, LatencyObservation, knapsack_weights
-from knapspec.costmodels.defaults import (
-    PROFILE_ENV,
-    default_cost_model,
-    default_profile_path,
-    load_profile_for,
-)
+from knapspec.costmodels.defaults import default_cost_model, load_profile_for
 from knapspec.costmodels.linear import (
     FittedLinearCostModel,
     FittedLinearCostModelConfig,
@@ -30,6 +25,7 @@ from knapspec.costmodels.profile import (
     VerifyTiming,
 )
 from knapspec.costmodels.profiler import profile_engine
+from knapspec.costmodels.store import PROFILE_ENV, default_profile_path, load_or_measure_profile
 
 __all__ = [
     "COST_MODELS",
@@ -51,6 +47,7 @@ __all__ = [
     "default_cost_model",
     "default_profile_path",
     "knapsack_weights",
+    "load_or_measure_profile",
     "load_profile_for",
     "profile_engine",
 ]

@@ -1,85 +1,35 @@
-"""Where profiles live and the cost model a decoder gets when it is given none.
-
-Resolution order for "the profile of this model on this machine":
-
-1. an explicit path (a config's ``profile`` field), checked against the engine;
-2. ``$KNAPSPEC_PROFILE``, checked against the engine;
-3. ``cache_root()/profiles/<model>-<key digest>.json``: the file name hashes every key
-   field that must match, so a cached profile is always for this model, machine, thread
-   count and library versions. A full profile written there by ``knapspec profile`` wins;
-   otherwise a quick profile (a few seconds) is measured and cached on first use.
+"""The cost model a decoder gets when it is given none: online calibration on top of this
+machine's stored (or quickly measured) profile. Where profiles live is
+:mod:`knapspec.costmodels.store`; its names are re-exported here for older imports
+(``load_profile_for`` is :func:`~knapspec.costmodels.store.load_or_measure_profile`).
 """
 
 from __future__ import annotations
 
-import os
-import re
-import warnings
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from knapspec.costmodels.linear import FittedLinearCostModel
 from knapspec.costmodels.online import OnlineCalibratedCostModel
-from knapspec.costmodels.profile import LatencyProfile, ProfileError, ProfileKey
-from knapspec.costmodels.profiler import profile_engine
-from knapspec.model.provision import cache_root
+from knapspec.costmodels.store import PROFILE_ENV, default_profile_path, load_or_measure_profile
 
 if TYPE_CHECKING:
     from knapspec.model.engine import SublayerEngine
 
-PROFILE_ENV = "KNAPSPEC_PROFILE"
-"""Environment variable naming a profile file to use instead of the cached one."""
-
-
-def default_profile_path(engine: SublayerEngine) -> Path:
-    """The cache file for ``engine``'s model on this machine (``$KNAPSPEC_PROFILE`` wins)."""
-    explicit = os.environ.get(PROFILE_ENV)
-    if explicit:
-        return Path(explicit).expanduser()
-    key = ProfileKey.for_engine(engine)
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(key.model_name).name or "model")
-    return cache_root() / "profiles" / f"{name}-{key.digest()}.json"
-
-
-def load_profile_for(
-    engine: SublayerEngine,
-    path: str | os.PathLike[str] | None = None,
-    *,
-    force: bool = False,
-    progress: bool = False,
-) -> LatencyProfile:
-    """The profile for ``engine`` on this machine (see the module docstring for the order).
-
-    Raises:
-        ProfileError: an explicitly named profile (argument or ``$KNAPSPEC_PROFILE``) is
-            unreadable, corrupt, or (subclass ``ProfileMismatchError``) for another model
-            or machine and ``force`` is off.
-    """
-    if path is not None or os.environ.get(PROFILE_ENV):
-        explicit = Path(path) if path is not None else default_profile_path(engine)
-        profile = LatencyProfile.load(explicit)
-        profile.check_compatible(engine, force=force)
-        return profile
-    cached = default_profile_path(engine)
-    if cached.exists():
-        try:
-            profile = LatencyProfile.load(cached)
-            profile.check_compatible(engine)
-            return profile
-        except ProfileError as error:
-            # Our own cache file: replace it rather than fail the user's generate call.
-            warnings.warn(f"{error}; re-profiling quickly", RuntimeWarning, stacklevel=2)
-    profile = profile_engine(engine, quick=True, progress=progress)
-    profile.save(cached)
-    return profile
+load_profile_for = load_or_measure_profile
 
 
 def default_cost_model(
     engine: SublayerEngine, *, progress: bool = False
 ) -> OnlineCalibratedCostModel:
     """An online-calibrated model whose prior is this machine's (possibly quick) profile."""
-    profile = load_profile_for(engine, progress=progress)
+    profile = load_or_measure_profile(engine, progress=progress)
     return OnlineCalibratedCostModel(FittedLinearCostModel.from_profile(profile))
 
 
-__all__ = ["PROFILE_ENV", "default_cost_model", "default_profile_path", "load_profile_for"]
+__all__ = [
+    "PROFILE_ENV",
+    "default_cost_model",
+    "default_profile_path",
+    "load_or_measure_profile",
+    "load_profile_for",
+]

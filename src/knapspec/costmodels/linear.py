@@ -31,6 +31,7 @@ from sklearn.linear_model import LinearRegression
 
 from knapspec.costmodels.base import COST_MODELS, CostModel
 from knapspec.costmodels.profile import LatencyProfile, ProfileError, VerifyTiming
+from knapspec.costmodels.store import load_or_measure_profile
 from knapspec.types import SublayerMask
 from knapspec.validators import non_empty_string, optional
 
@@ -215,7 +216,8 @@ class FittedLinearCostModelConfig:
 
     Attributes:
         profile: path of a saved profile; None = the cached profile for this model and
-            machine (quick self-profiling on first use, see :func:`default_profile`).
+            machine (quick self-profiling on first use, see
+            :func:`~knapspec.costmodels.store.load_or_measure_profile`).
         pooled: one attention line and one MLP time for all layers (else per layer).
         force: use a profile measured for another model or machine anyway.
     """
@@ -346,9 +348,7 @@ class FittedLinearCostModel(CostModel):
 
     @classmethod
     def _construct(cls, config: Any, engine: SublayerEngine) -> Self:
-        from knapspec.costmodels.defaults import load_profile_for
-
-        profile = load_profile_for(engine, config.profile, force=config.force)
+        profile = load_or_measure_profile(engine, config.profile, force=config.force)
         return cls.from_profile(profile, pooled=config.pooled)
 
     @classmethod

@@ -46,6 +46,7 @@ from sklearn.utils.validation import check_array, check_is_fitted
 
 from knapspec.costmodels.base import COST_MODELS, CostModel, LatencyObservation
 from knapspec.costmodels.linear import MIN_SECONDS, FittedLinearCostModel, LinearCoefficients
+from knapspec.costmodels.store import load_or_measure_profile
 from knapspec.types import SublayerMask
 from knapspec.validators import interval, non_empty_string, optional
 
@@ -292,9 +293,7 @@ class OnlineCalibratedCostModel(CostModel):
     # ----------------------------------------------------------------- building
     @classmethod
     def _construct(cls, config: Any, engine: SublayerEngine) -> Self:
-        from knapspec.costmodels.defaults import load_profile_for
-
-        profile = load_profile_for(engine, config.profile, force=config.force)
+        profile = load_or_measure_profile(engine, config.profile, force=config.force)
         return cls(
             FittedLinearCostModel.from_profile(profile, pooled=config.pooled),
             forgetting_factor=config.forgetting_factor,

@@ -1,0 +1,36 @@
+"""Helpers shared by the ``knapspec`` command (:mod:`knapspec.cli`) and its ``bench``
+harness (:mod:`knapspec.bench.cli`): argument types and the ``--config`` / ``--set``
+reading. Both import this module; neither imports the other at module level."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from knapspec.config import DecoderConfig, apply_overrides, load_config
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a positive integer (shared by every subcommand)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def load_decoder_config(config_path: Path | None, overrides: Sequence[str]) -> DecoderConfig:
+    """The config file (or the defaults) with ``--set`` overrides applied.
+
+    Raises:
+        ConfigError: an unreadable or invalid file, or a bad override.
+        UnknownComponentError: an unknown component name.
+    """
+    config = load_config(config_path) if config_path is not None else DecoderConfig()
+    return apply_overrides(config, overrides) if overrides else config
+
+
+__all__ = ["load_decoder_config", "positive_int"]

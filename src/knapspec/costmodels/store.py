@@ -1,0 +1,76 @@
+"""The profile store: where latency profiles live, and loading one or measuring it.
+
+Resolution order for "the profile of this model on this machine":
+
+1. an explicit path (a config's ``profile`` field), checked against the engine;
+2. ``$KNAPSPEC_PROFILE``, checked against the engine;
+3. ``cache_root()/profiles/<model>-<key digest>.json``: the file name hashes every key
+   field that must match, so a cached profile is always for this model, machine, thread
+   count and library versions. A full profile written there by ``knapspec profile`` wins;
+   otherwise a quick profile (a few seconds) is measured and cached on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from knapspec.costmodels.profile import LatencyProfile, ProfileError, ProfileKey
+from knapspec.costmodels.profiler import profile_engine
+from knapspec.model.provision import cache_root
+
+if TYPE_CHECKING:
+    from knapspec.model.engine import SublayerEngine
+
+PROFILE_ENV = "KNAPSPEC_PROFILE"
+"""Environment variable naming a profile file to use instead of the cached one."""
+
+
+def default_profile_path(engine: SublayerEngine) -> Path:
+    """The cache file for ``engine``'s model on this machine (``$KNAPSPEC_PROFILE`` wins)."""
+    explicit = os.environ.get(PROFILE_ENV)
+    if explicit:
+        return Path(explicit).expanduser()
+    key = ProfileKey.for_engine(engine)
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(key.model_name).name or "model")
+    return cache_root() / "profiles" / f"{name}-{key.digest()}.json"
+
+
+def load_or_measure_profile(
+    engine: SublayerEngine,
+    path: str | os.PathLike[str] | None = None,
+    *,
+    force: bool = False,
+    progress: bool = False,
+) -> LatencyProfile:
+    """The profile for ``engine`` on this machine, measured (a quick profile, a few
+    seconds) and cached when there is none (see the module docstring for the order).
+
+    Raises:
+        ProfileError: an explicitly named profile (argument or ``$KNAPSPEC_PROFILE``) is
+            unreadable, corrupt, or (subclass ``ProfileMismatchError``) for another model
+            or machine and ``force`` is off.
+    """
+    if path is not None or os.environ.get(PROFILE_ENV):
+        explicit = Path(path) if path is not None else default_profile_path(engine)
+        profile = LatencyProfile.load(explicit)
+        profile.check_compatible(engine, force=force)
+        return profile
+    cached = default_profile_path(engine)
+    if cached.exists():
+        try:
+            profile = LatencyProfile.load(cached)
+            profile.check_compatible(engine)
+            return profile
+        except ProfileError as error:
+            # Our own cache file: replace it rather than fail the user's generate call.
+            warnings.warn(f"{error}; re-profiling quickly", RuntimeWarning, stacklevel=2)
+    profile = profile_engine(engine, quick=True, progress=progress)
+    profile.save(cached)
+    return profile
+
+
+__all__ = ["PROFILE_ENV", "default_profile_path", "load_or_measure_profile"]
