@@ -15,10 +15,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import test_bench
-from knapspec.bench import MethodSpec, Scenario, default_methods, run_benchmark
+from knapspec.bench import MethodSpec, Scenario, default_methods, run_benchmark, write_report
 from knapspec.bench.methods import HF_PROMPT_LOOKUP, available, lookup_methods
 from knapspec.bench.oracle import lookup_candidates, lookup_replay
 from knapspec.bench.prompts import EDIT_REPLACEMENTS, edit_prompt, quote_prompt
+from knapspec.bench.runner import lookup_drafter_factory
 from knapspec.bench.scenarios import default_scenarios
 
 tiny = test_bench.tiny  # the tiny random Llama and word-level tokenizer fixture
@@ -103,11 +104,22 @@ def test_lookup_methods_run_through_the_harness_losslessly(
         Scenario("tiny-edit", "edit", (24,), 8, description="tiny"),
     )
     options = test_bench._options(tmp_path, methods, scenarios=scenarios, pairs=1)
+    assert options.oracle is not None
+    options = attrs.evolve(options, oracle=attrs.evolve(options.oracle, families=()))
     run_dir = run_benchmark(model, tokenizer, options)
     rows = [json.loads(line) for line in (run_dir / "raw.jsonl").read_text().splitlines()]
     measured = {(r["scenario"], r["method"]) for r in rows if r["role"] == "method"}
     assert measured == {(s.name, m.name) for s in scenarios for m in methods[1:]}
     assert all(r["lossless"] is True for r in rows)  # every greedy call equals AR's
+    oracle = [json.loads(line) for line in (run_dir / "oracle.jsonl").read_text().splitlines()]
+    assert len(oracle) == len(scenarios)
+    for line in oracle:
+        assert line["candidates"] == []  # the layer-skip sweep was off
+        if lookup_drafter_factory() is not None:
+            assert [c["draft_length"] for c in line["lookup"]] == [1, 2]  # k = 1 .. D
+            assert line["speedup"] == max(1.0, *(c["speedup"] for c in line["lookup"]))
+    report = write_report(run_dir).read_text()
+    assert "Machine:" in report
     info = json.loads((run_dir / "run.json").read_text())
     hf = next(m for m in info["methods"] if m["name"] == HF_PROMPT_LOOKUP)
     assert hf["generate_kwargs"] == {"prompt_lookup_num_tokens": 10}

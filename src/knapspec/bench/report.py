@@ -260,9 +260,8 @@ def oracle_table(data: RunData) -> str:
         best = line.get("best")
         label = f"{line['context']} ({line['context_length']})"
         if best is None:
-            rows.append(
-                [line["scenario"], label, f"{line['speedup']:.2f}", "plain decoding", "0", "–"]
-            )
+            plain = "plain decoding" if line.get("candidates", [None]) else "not swept"
+            rows.append([line["scenario"], label, f"{line['speedup']:.2f}", plain, "0", "–"])
         else:
             rows.append(
                 [
