@@ -232,3 +232,32 @@ def test_lookup_replay_commits_the_whole_continuation() -> None:
     # After "1", the context's suffix "1" never occurred: a plain step; then "5" matches
     # the prompt and 3 tokens "6 7 8" are drafted and accepted.
     assert rounds[:2] == [(0, 0), (3, 3)]
+
+
+@pytest.mark.parametrize("k", [3, 10])
+def test_lookup_replay_reproduces_the_decoders_fixed_k_rounds(
+    tiny: tuple[Any, Any], k: int
+) -> None:
+    """The oracle's replay of the AR output is the ``lookup-k`` method's actual run: same
+    rounds, same drafted and accepted tokens (so its pricing prices what the method does)."""
+    factory = lookup_drafter_factory()
+    if factory is None:
+        pytest.skip("this installation has no lookup drafter")
+    from knapspec.config import DecoderConfig
+    from knapspec.decoding.decoder import SpeculativeDecoder
+    from knapspec.model.engine import SublayerEngine
+
+    model, _ = tiny
+    engine = SublayerEngine(model)
+    config = DecoderConfig.from_dict(
+        {"planner": {"name": "lookup", "draft_length": k}, "max_draft_length": 10}
+    )
+    decoder = SpeculativeDecoder.from_config(engine, config)
+    generator = torch.Generator().manual_seed(5)
+    span = torch.randint(1, model.config.vocab_size, (10,), generator=generator)
+    prompt = torch.cat([span, span, span[:3]])
+    result = decoder.generate(prompt, max_new_tokens=40)
+    rounds, _ = lookup_replay(factory(), prompt.tolist(), result.tokens.tolist(), k)
+    assert [accepted + 1 for _, accepted in rounds] == list(result.stats.accept_lengths)
+    assert sum(d for d, _ in rounds) == result.stats.drafted_tokens > 0
+    assert sum(a for _, a in rounds) == result.stats.accepted_tokens
