@@ -172,10 +172,12 @@ class SpeculativeDecoder:
         generator = None
         if params.do_sample:
             generator = torch.Generator(device=self.engine.device)
-            if params.seed is not None:
-                generator.manual_seed(params.seed)
-            else:
-                generator.seed()
+            # No seed: draw one from torch's global RNG, so that torch.manual_seed(s) makes
+            # the call reproducible, as model.generate's sampling is.
+            seed = params.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+            generator.manual_seed(seed)
         run = _Run(self, prompt, max_new_tokens, stop_ids, params, generator, streamer)
         return run.execute()
 
