@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from tests.test_cli import STATIC, assert_user_error, model_dir, run_cli
 
 from knapspec import cli
@@ -90,7 +92,7 @@ def test_invalid_replanning_field_is_refused_before_the_model_loads(
         assert main(args) == 2
         assert "planner.acceptance_smoothing: must be in (0, 1)" in one_error_line(capsys)
     assert main(["plan", "--prompt", "x", "--set", "planner.every_rounds=0"]) == 2
-    assert "planner.every_rounds: must be >= 1" in one_error_line(capsys)
+    assert "planner.every_rounds: must be an integer >= 1" in one_error_line(capsys)
 
 
 # -------------------------------------------------------------------------- CLI: model
@@ -226,3 +228,241 @@ def test_ctrl_c_at_any_moment_prints_one_line(delay_s: float, model_dir: Path) -
         return
     assert process.returncode == 130, err
     assert err.strip().splitlines()[-1] == "knapspec: error: interrupted", err
+
+
+# ------------------------------------------------------------ Python entry points
+def _decoder(num_layers: int = 3) -> Any:
+    """A decoder over a tiny random Llama whose static draft always drafts 3 tokens."""
+    from tests.tiny_models import tiny_model
+
+    from knapspec.decoding.decoder import SpeculativeDecoder
+    from knapspec.planners import StaticPlanner
+    from knapspec.types import SublayerMask
+
+    model = tiny_model("llama", num_layers=num_layers)
+    plan = StaticPlanner(SublayerMask.from_skipped(num_layers, [1, 3]), 3)
+    return SpeculativeDecoder(model, planner=plan, confidence_threshold=0.0)
+
+
+PROMPT = [5, 17, 42, 8, 61]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"max_new_tokens": 2.5}, TypeError, "max_new_tokens"),
+        ({"max_new_tokens": "4"}, TypeError, "max_new_tokens"),
+        ({"max_new_tokens": True}, TypeError, "max_new_tokens"),
+        ({"eos_token_id": "2"}, TypeError, "eos_token_id"),
+        ({"eos_token_id": [2, 3.5]}, TypeError, "eos_token_id"),
+        ({"sampling": 0.7}, TypeError, "sampling"),
+        ({"sampling": {"tempreature": 0.7}}, TypeError, "sampling: unknown field"),
+        ({"sampling": {"do_sample": True, "seed": 2**70}}, ValueError, "seed"),
+        ({"sampling": {"top_k": 2.5}}, TypeError, "top_k"),
+        ({"logits_processor": "repetition_penalty"}, TypeError, "logits_processor"),
+    ],
+)
+def test_generate_checks_argument_types_and_names_them(
+    kwargs: dict[str, Any], error: type[Exception], name: str
+) -> None:
+    decoder = _decoder()
+    with pytest.raises(error, match=name):
+        decoder.generate(PROMPT, **kwargs)
+    assert decoder.generate(PROMPT, max_new_tokens=3).tokens.numel() == 3  # still usable
+
+
+def test_generate_accepts_numpy_integers_and_a_sampling_dict() -> None:
+    import numpy as np
+
+    from knapspec.sampling import SamplingParams
+
+    decoder = _decoder()
+    greedy = decoder.generate(PROMPT, max_new_tokens=np.int64(10)).tokens
+    eos = int(greedy[3])
+    stopped = decoder.generate(PROMPT, max_new_tokens=10, eos_token_id=np.int64(eos)).tokens
+    assert stopped.tolist() == greedy[: greedy.tolist().index(eos) + 1].tolist()
+    as_dict = {"do_sample": True, "temperature": 0.8, "seed": 3}
+    first = decoder.generate(PROMPT, max_new_tokens=8, sampling=as_dict).tokens
+    second = decoder.generate(PROMPT, max_new_tokens=8, sampling=SamplingParams(**as_dict))
+    assert torch.equal(first, second.tokens)
+
+
+# ------------------------------------------------------------------- thread safety
+def test_two_threads_on_one_decoder_never_get_a_wrong_token() -> None:
+    """100 generate calls from two threads sharing one decoder (50 each), every result
+    compared with that thread's single-threaded greedy output. Without the decoder's
+    lock, interleaved rounds corrupt the shared cache (wrong tokens or a KV-cache gap)."""
+    import threading
+
+    decoder = _decoder()
+    prompts = [PROMPT, [9, 3, 77, 21]]
+    expected = [decoder.generate(p, max_new_tokens=12).tokens.tolist() for p in prompts]
+    assert expected[0] != expected[1]
+    failures: list[str] = []
+    start = threading.Barrier(2)
+
+    def worker(index: int) -> None:
+        start.wait()
+        for round_index in range(50):
+            try:
+                got = decoder.generate(prompts[index], max_new_tokens=12).tokens.tolist()
+            except Exception as error:
+                failures.append(f"thread {index} round {round_index}: {error!r}")
+                return
+            if got != expected[index]:
+                failures.append(f"thread {index} round {round_index}: {got} != {expected[index]}")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures[:5]
+
+
+# ------------------------------------------------------------------ custom_generate
+def _hf_pair() -> tuple[Any, Any]:
+    """The tiny model and a custom_generate over a decoder that drafts every round,
+    with a spy counting drafted tokens."""
+    from knapspec.integrations.hf import make_custom_generate
+
+    decoder = _decoder()
+    drafted: list[int] = []
+    update = decoder.planner.update
+
+    def spy(outcome: Any) -> None:
+        drafted.append(outcome.drafted)
+        update(outcome)
+
+    decoder.planner.update = spy
+    generate = make_custom_generate(decoder)
+    generate.drafted = drafted  # type: ignore[attr-defined]
+    return decoder.engine.model, generate
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"repetition_penalty": 2.0},
+        {"repetition_penalty": 0.5},
+        {"no_repeat_ngram_size": 2},
+        {"min_new_tokens": 12, "eos_token_id": "SECOND"},
+        {"min_length": 14, "eos_token_id": "SECOND"},
+        {"bad_words_ids": [["FIRST"]]},
+        {"repetition_penalty": 1.5, "min_new_tokens": 8, "eos_token_id": "SECOND"},
+    ],
+    ids=["rep2", "rep0.5", "no-repeat-2gram", "min_new_tokens", "min_length", "bad_words",
+         "combined"],
+)  # fmt: skip
+def test_custom_generate_honours_processors_greedy(settings: dict[str, Any]) -> None:
+    """Greedy output equals model.generate's own, token for token, with drafting on."""
+    model, custom = _hf_pair()
+    ids = torch.tensor([PROMPT])
+    plain = model.generate(ids, max_new_tokens=16, do_sample=False)[0, len(PROMPT) :].tolist()
+    names = {"FIRST": plain[0], "SECOND": plain[1]}  # an EOS that would stop after 2 tokens
+
+    def resolve(value: Any) -> Any:
+        if isinstance(value, list):
+            return [resolve(v) for v in value]
+        return names.get(value, value)
+
+    kwargs = {key: resolve(value) for key, value in settings.items()}
+    reference = model.generate(ids, max_new_tokens=16, do_sample=False, **kwargs)
+    ours = model.generate(ids, max_new_tokens=16, do_sample=False, custom_generate=custom, **kwargs)
+    assert ours.tolist() == reference.tolist()
+    assert sum(custom.drafted) > 0  # speculation ran
+    if "min_new_tokens" in settings:
+        assert ours.shape[1] - len(PROMPT) >= settings["min_new_tokens"]
+
+
+def test_custom_generate_sampling_follows_torch_global_seed() -> None:
+    model, custom = _hf_pair()
+    ids = torch.tensor([PROMPT])
+    runs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        runs.append(
+            model.generate(ids, max_new_tokens=16, do_sample=True, temperature=1.5, top_k=0,
+                           repetition_penalty=1.3, custom_generate=custom).tolist()
+        )  # fmt: skip
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    assert sum(custom.drafted) > 0
+
+
+def test_custom_generate_sampling_with_a_processor_is_distributed_as_the_target() -> None:
+    """The first two tokens of 400 sampled runs against the exact joint distribution
+    under the repetition penalty (computed from the model with transformers' processor):
+    a chi-square test, with a power check that ignoring the penalty is detected."""
+    from scipy.stats import chisquare
+    from tests.test_sampling import _small_vocab_model
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    from knapspec.decoding.decoder import SpeculativeDecoder
+    from knapspec.planners import StaticPlanner
+    from knapspec.types import SublayerMask
+
+    model = _small_vocab_model()
+    decoder = SpeculativeDecoder(
+        model, planner=StaticPlanner(SublayerMask.from_skipped(3, [1, 2, 3]), 2),
+        confidence_threshold=0.0,
+    )  # fmt: skip
+    prompt = [1, 2, 1]
+    penalty = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(3.0)])
+
+    def joint(processor: Any) -> torch.Tensor:
+        """``(V, V)`` exact P(first, second) under ``processor`` (or none)."""
+        with torch.no_grad():
+            first_logits = model(torch.tensor([prompt])).logits[0, -1:]
+            if processor is not None:
+                first_logits = processor(torch.tensor([prompt]), first_logits)
+            p_first = first_logits.softmax(-1)[0]
+            rows = []
+            for token in range(p_first.numel()):
+                prefix = torch.tensor([[*prompt, token]])
+                logits = model(prefix).logits[0, -1:]
+                if processor is not None:
+                    logits = processor(prefix, logits)
+                rows.append(p_first[token] * logits.softmax(-1)[0])
+        return torch.stack(rows).double()
+
+    truth, unpenalised = joint(penalty), joint(None)
+    assert float((truth - unpenalised).abs().sum()) > 0.2  # the penalty matters
+    counts = torch.zeros_like(truth)
+    for seed in range(400):
+        sampling = {"do_sample": True, "seed": seed}
+        tokens = decoder.generate(
+            prompt, max_new_tokens=2, sampling=sampling, logits_processor=penalty
+        ).tokens.tolist()
+        counts[tokens[0], tokens[1]] += 1
+
+    def pvalue(expected: torch.Tensor) -> float:
+        flat, seen = expected.flatten() * 400, counts.flatten()
+        keep = flat >= 1  # cells too rare to test are pooled into one
+        observed = [*seen[keep].tolist(), float(seen[~keep].sum())]
+        wanted = [*flat[keep].tolist(), float(flat[~keep].sum())]
+        if wanted[-1] == 0:
+            observed, wanted = observed[:-1], wanted[:-1]
+        scale = sum(observed) / sum(wanted)
+        return float(chisquare(observed, [w * scale for w in wanted]).pvalue)
+
+    assert pvalue(truth) > 1e-3
+    assert pvalue(unpenalised) < 1e-6  # power: the test sees a sampler without the penalty
+
+
+@pytest.mark.parametrize(
+    ("settings", "name"),
+    [
+        ({"num_beams": 2}, "num_beams=2 (beam search)"),
+        ({"num_return_sequences": 2, "do_sample": True}, "num_return_sequences=2"),
+        ({"penalty_alpha": 0.6, "top_k": 4}, "penalty_alpha=0.6"),
+        ({"guidance_scale": 1.5}, "guidance_scale=1.5"),
+        ({"return_dict_in_generate": True}, "return_dict_in_generate=True"),
+        ({"max_time": 5.0}, "max_time=5.0"),
+    ],
+)
+def test_custom_generate_refuses_by_name_what_it_cannot_honour(
+    settings: dict[str, Any], name: str
+) -> None:
+    model, custom = _hf_pair()
+    with pytest.raises(ValueError, match=re.escape(name)):
+        model.generate(torch.tensor([PROMPT]), max_new_tokens=4, custom_generate=custom, **settings)
