@@ -262,7 +262,6 @@ def test_chat_without_a_template_is_a_usage_error(
     [
         [],
         ["frobnicate"],
-        ["generate"],  # no prompt
         ["generate", "--prompt", "a", "--prompt-file", "b"],
         ["generate", "--prompt", "a", "--max-new-tokens", "0"],
         ["plan", "--prompt", "a", "--bogus"],
@@ -271,6 +270,30 @@ def test_chat_without_a_template_is_a_usage_error(
 def test_argparse_usage_errors_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(args) == 2
     assert "usage: knapspec" in capsys.readouterr().err
+
+
+def test_generate_compare_runs_plain_decoding_and_explains_the_plan(
+    model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        ["generate", "--model", str(model_dir), "--prompt", "a b c a b c a b c a b",
+         "--max-new-tokens", "8", "--no-chat", "--compare", "--json",
+         "--set", "planner.name=lookup", "--set", "planner.draft_length=3"]
+    )  # fmt: skip
+    assert code == 0
+    payload = json.loads(capsys.readouterr().out)
+    compare = payload["compare"]
+    assert compare["identical_tokens"] is True  # greedy: speculation is lossless
+    assert compare["speedup"] > 0 and compare["plain_tokens_per_second"] > 0
+    assert "per-token acceptance" in compare["choices"] or "γ = 0" in compare["choices"]
+
+
+def test_generate_without_a_prompt_uses_the_shipped_chapter() -> None:
+    from knapspec.cli import DEFAULT_INSTRUCTION, default_prompt
+
+    prompt = default_prompt()
+    assert prompt.startswith(DEFAULT_INSTRUCTION)
+    assert "Mr. Darcy" in prompt and len(prompt.split()) > 1500
 
 
 def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:

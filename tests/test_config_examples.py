@@ -39,6 +39,8 @@ EXPECTED_EXAMPLES = {
     "online-cost-model.toml",
     "sampling.toml",
     "autoregressive.toml",
+    "lookup.toml",
+    "knapspec-subnetwork-only.toml",
 }
 HAVE_DECODER = importlib.util.find_spec("knapspec.decoding.decoder") is not None
 needs_decoder = pytest.mark.skipif(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
+import attrs
 import pytest
 import torch
 from hypothesis import assume, given
@@ -20,7 +21,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import knapspec.decoding.decoder as decoder_module
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.decoding.verify import Verdict, residual_distribution, verify_sampling
-from knapspec.planners import StaticPlanner
+from knapspec.planners import LookupPlanner, StaticPlanner
+from knapspec.planners.lookup import LookupPlannerConfig
 from knapspec.sampling import SamplingParams, processed_probs, sample_token
 from knapspec.types import SublayerMask
 
@@ -192,67 +194,6 @@ def test_sampling_parameters_are_validated() -> None:
         SamplingParams(do_sample=True, top_k=-1)
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "error", "name"),
-    [
-        ({"top_k": 2.5}, TypeError, "top_k"),
-        ({"top_k": "3"}, TypeError, "top_k"),
-        ({"temperature": "0.7"}, TypeError, "temperature"),
-        ({"top_p": None}, TypeError, "top_p"),
-        ({"do_sample": "yes"}, TypeError, "do_sample"),
-        ({"seed": 2**70}, ValueError, "seed"),
-        ({"seed": -1}, ValueError, "seed"),
-        ({"seed": 1.0}, TypeError, "seed"),
-    ],
-)
-def test_sampling_parameter_types_are_checked(
-    kwargs: dict[str, object], error: type[Exception], name: str
-) -> None:
-    with pytest.raises(error, match=name):
-        SamplingParams(**kwargs)  # type: ignore[arg-type]
-
-
-def test_sampling_parameters_accept_any_integer_kind() -> None:
-    import numpy as np
-
-    params = SamplingParams(do_sample=True, temperature=1, top_k=np.int64(3), seed=np.uint64(2**63))
-    assert params == SamplingParams(do_sample=True, temperature=1.0, top_k=3, seed=2**63)
-    assert type(params.top_k) is int and type(params.temperature) is float
-
-
-@pytest.mark.parametrize("temperature", [1e-30, 1e-36, 1e-40, 1e-300, 5e-324])
-def test_tiny_temperature_samples_greedily(temperature: float) -> None:
-    """Below the documented floor the distribution is a point mass on the argmax (1e-40
-    used to overflow float32 into NaN probabilities and sample token vocab - 1)."""
-    logits = torch.randn(4, 49152, generator=torch.Generator().manual_seed(0)) * 8
-    probs = processed_probs(logits, SamplingParams(do_sample=True, temperature=temperature))
-    assert bool(torch.isfinite(probs).all())
-    expected = torch.nn.functional.one_hot(logits.argmax(-1), 49152).float()
-    assert torch.equal(probs, expected)
-
-
-def test_tiny_temperature_decodes_as_greedy() -> None:
-    model = _small_vocab_model()
-    decoder = SpeculativeDecoder(model, planner=StaticPlanner(BAD_DRAFT, 3), confidence_threshold=0)
-    greedy = decoder.generate(torch.tensor(PROMPT), max_new_tokens=12).tokens
-    params = SamplingParams(do_sample=True, temperature=1e-40, seed=1)
-    sampled = decoder.generate(torch.tensor(PROMPT), max_new_tokens=12, sampling=params).tokens
-    assert torch.equal(sampled, greedy)
-
-
-def test_unseeded_sampling_follows_torch_global_seed() -> None:
-    """As with ``model.generate``: ``torch.manual_seed(s)`` makes an unseeded call repeat."""
-    model = _small_vocab_model()
-    decoder = SpeculativeDecoder(model, planner=StaticPlanner(BAD_DRAFT, 3), confidence_threshold=0)
-    params = SamplingParams(do_sample=True, temperature=1.5)
-    runs = []
-    for seed in (0, 0, 1):
-        torch.manual_seed(seed)
-        runs.append(decoder.generate(torch.tensor(PROMPT), max_new_tokens=24, sampling=params))
-    assert torch.equal(runs[0].tokens, runs[1].tokens)
-    assert not torch.equal(runs[0].tokens, runs[2].tokens)
-
-
 def test_seeded_sampling_is_reproducible() -> None:
     model = _small_vocab_model()
     decoder = SpeculativeDecoder(model, planner=StaticPlanner(BAD_DRAFT, 3), confidence_threshold=0)
@@ -356,3 +297,68 @@ def test_sample_token_handles_a_point_that_rounds_up_to_the_total(
     probs = torch.tensor([0.3, 0.7, 0.0, 0.0])
     monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: torch.ones(1, dtype=torch.float64))
     assert sample_token(probs) == 1
+
+
+@pytest.mark.parametrize("vocab", [2, 5])
+def test_one_hot_draft_rule_gives_exactly_p(vocab: int) -> None:
+    """A deterministic draft x (q one-hot): accept with p(x), else resample from p without
+    x. Summed exactly over both branches, the committed token is distributed as p."""
+    torch.manual_seed(vocab)
+    p = torch.softmax(torch.randn(vocab, dtype=torch.float64), -1)
+    for x in range(vocab):
+        q = torch.zeros(vocab, dtype=torch.float64)
+        q[x] = 1.0
+        residual = residual_distribution(p, q)
+        assert residual[x] == 0
+        output = (1 - p[x]) * residual
+        output[x] += p[x]
+        assert torch.allclose(output, p)
+
+
+def _exact_joint_batched(
+    model: LlamaForCausalLM, prompt: list[int], params: SamplingParams, length: int
+) -> dict[tuple[int, ...], float]:
+    """:func:`_exact_joint` in one batched forward (``VOCAB ** length`` rows)."""
+    continuations = list(itertools.product(range(VOCAB), repeat=length))
+    ids = torch.tensor([prompt + list(c) for c in continuations])
+    with torch.no_grad():
+        logits = model(ids).logits[:, len(prompt) - 1 : -1]  # (rows, length, vocab)
+    probs = processed_probs(logits.reshape(-1, VOCAB), params).double().reshape(logits.shape)
+    chosen = probs.gather(-1, ids[:, len(prompt) :, None])[..., 0].prod(-1)
+    return dict(zip(continuations, chosen.tolist(), strict=True))
+
+
+LOOKUP_PROMPT = [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1]  # every token recurs: lookup fires
+LOOKUP_LENGTH = 5  # token 1 from the prefill, then a round of 3 lookup drafts + 1 target token
+LOOKUP_RUNS = 3000
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(do_sample=True, temperature=1.0),
+        SamplingParams(do_sample=True, temperature=0.7, top_p=0.9),
+    ],
+    ids=["T=1", "T=0.7,top_p=0.9"],
+)
+def test_lookup_drafts_sample_exactly_the_target(params: SamplingParams) -> None:
+    """One-hot lookup drafts through the rejection sampler: the 5-token continuations are
+    distributed as the target's, and the rounds really drafted 3 tokens."""
+    model = _small_vocab_model()
+    decoder = SpeculativeDecoder(model, planner=LookupPlanner(LookupPlannerConfig(3)))
+    joint = _exact_joint_batched(model, LOOKUP_PROMPT, params, LOOKUP_LENGTH)
+    samples: Counter[tuple[int, ...]] = Counter()
+    three_token_rounds = accepted_drafts = 0
+    for seed in range(LOOKUP_RUNS):
+        result = decoder.generate(
+            torch.tensor(LOOKUP_PROMPT),
+            max_new_tokens=LOOKUP_LENGTH,
+            sampling=attrs.evolve(params, seed=seed),
+        )
+        samples[tuple(result.tokens.tolist())] += 1
+        stats = result.stats
+        three_token_rounds += len(stats.drafted_at_position) >= 3
+        accepted_drafts += stats.accepted_tokens
+    assert three_token_rounds == LOOKUP_RUNS  # every call drafted a 3-token lookup round
+    assert accepted_drafts > LOOKUP_RUNS // 10  # and drafts were accepted, not just tried
+    assert _chi_square_pvalue(samples, joint) > 1e-3

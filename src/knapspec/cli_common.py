@@ -7,10 +7,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from knapspec.config import DecoderConfig
+from knapspec.config import DecoderConfig, apply_overrides, load_config
 
 
 def positive_int(text: str) -> int:
@@ -31,9 +29,6 @@ def load_decoder_config(config_path: Path | None, overrides: Sequence[str]) -> D
         ConfigError: an unreadable or invalid file, or a bad override.
         UnknownComponentError: an unknown component name.
     """
-    # Imported here: the config pulls in torch, and the command imports this module first.
-    from knapspec.config import DecoderConfig, apply_overrides, load_config
-
     config = load_config(config_path) if config_path is not None else DecoderConfig()
     return apply_overrides(config, overrides) if overrides else config
 

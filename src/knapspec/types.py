@@ -11,8 +11,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Sequence
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 import attrs
+
+if TYPE_CHECKING:
+    from knapspec.drafters.base import Draft
 
 
 class ItemKind(StrEnum):
@@ -149,8 +153,13 @@ class DraftPlan:
     """What a planner proposes for the next speculation rounds.
 
     ``draft_length`` (gamma) is the maximum number of draft tokens; 0 means "take a plain
-    autoregressive step with the full model". The predicted fields are the planner's own
-    estimates, kept for the stats and for drift detection.
+    autoregressive step with the full model". ``drafter`` names who drafts them:
+    ``"subnetwork"`` (the target under ``mask``) or ``"lookup"`` (the lookup proposal of
+    the round, cut to γ tokens; ``mask`` is then unused). The predicted fields are the
+    planner's own estimates, kept for the stats and for drift detection;
+    ``best_draft_speedup`` is, for a γ = 0 plan, the predicted speed of the best
+    speculative option the planner priced and rejected, relative to a plain step (None
+    when it priced none), so a run without drafts can say why.
     """
 
     mask: SublayerMask
@@ -158,6 +167,13 @@ class DraftPlan:
     predicted_acceptance: float | None = None
     predicted_tokens_per_second: float | None = None
     source: str = "static"
+    drafter: str = "subnetwork"
+    best_draft_speedup: float | None = None
+
+    @property
+    def drafter_used(self) -> str:
+        """The drafter a round under this plan runs: ``"none"`` when γ = 0."""
+        return self.drafter if self.draft_length > 0 else "none"
 
     @classmethod
     def autoregressive(cls, num_layers: int, source: str = "fallback") -> DraftPlan:
@@ -177,7 +193,12 @@ def _autoregressive_plan(num_layers: int, source: str) -> DraftPlan:
 
 @attrs.frozen
 class StepOutcome:
-    """What happened in one speculation round, fed back to ``Planner.update``."""
+    """What happened in one speculation round, fed back to ``Planner.update``.
+
+    ``proposals`` are the drafts proposed before planning (full length: e.g. the lookup
+    continuation, whether or not the round drafted with it) and ``committed_tokens`` the
+    tokens the round committed, so a planner can score every proposal in hindsight.
+    """
 
     plan: DraftPlan
     context_length: int
@@ -185,6 +206,8 @@ class StepOutcome:
     accepted: int
     draft_time_s: float
     verify_time_s: float
+    proposals: tuple[Draft, ...] = ()
+    committed_tokens: tuple[int, ...] = ()
 
     @property
     def committed(self) -> int:

@@ -13,11 +13,9 @@ output token for token; sampled output is distributed exactly as the target's.
 
 from __future__ import annotations
 
-import numbers
 import os
-import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -27,12 +25,15 @@ from torch import nn
 from knapspec.config import DecoderConfig, as_decoder_config, build_components
 from knapspec.costmodels.base import CostModel, LatencyObservation
 from knapspec.decoding.stats import GenerationStats, PlanRecord
-from knapspec.decoding.verify import Verdict, check_finite, verify_greedy, verify_sampling
+from knapspec.decoding.verify import check_finite, verify_greedy, verify_sampling
+from knapspec.drafters.base import NO_DRAFT, SUBNETWORK, Draft, Drafter, Verification
+from knapspec.drafters.lookup import LookupDrafter
+from knapspec.drafters.subnetwork import SubnetworkDrafter
 from knapspec.model.engine import ContextLengthError, SublayerEngine
 from knapspec.planners.base import Planner, PlanningContext
 from knapspec.proxies.base import ValueProxy
 from knapspec.sampling import SamplingParams, processed_probs, sample_token
-from knapspec.types import DraftPlan, StepOutcome
+from knapspec.types import DraftPlan, StepOutcome, SublayerMask
 from knapspec.window import WindowBuffer
 
 if TYPE_CHECKING:
@@ -53,10 +54,6 @@ class GenerationResult:
     sequences: torch.Tensor
     stats: GenerationStats
 
-
-#: ``(input_ids (1, t), scores (1, vocab)) -> scores``: a transformers ``LogitsProcessorList``
-#: or any callable of that shape.
-LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 #: Prompt tokens whose hidden states seed the reference window after prefill, so the first
 #: plan can be made right away instead of after several full-model rounds.
@@ -91,11 +88,6 @@ class SpeculativeDecoder:
 
     Attributes:
         config: the effective configuration (``config`` with the keyword overrides).
-
-    Thread safety: a decoder holds one KV cache and one reference window, so calls to
-    :meth:`generate` on the same decoder are serialised by a lock (a second thread waits
-    for the first call to finish). To serve several requests at once, build one decoder
-    per thread (they may share the model: ``SpeculativeDecoder(model)`` copies no weights).
 
     Raises:
         ValueError: a setting out of range (the message names it).
@@ -137,8 +129,9 @@ class SpeculativeDecoder:
         self.sampling = self.config.sampling
         self._window = WindowBuffer(self.config.window_rounds, self.config.window_max_tokens)
         self._cache = self.engine.new_cache(256)
-        # generate() uses the cache and window above: one call at a time.
-        self._lock = threading.Lock()
+        self._subnetwork = SubnetworkDrafter()
+        #: Drafters that propose before planning, offered to planners that ask for them.
+        self.drafters: list[Drafter] = [LookupDrafter()]
 
     @classmethod
     def from_config(
@@ -159,80 +152,37 @@ class SpeculativeDecoder:
         *,
         max_new_tokens: int = 128,
         eos_token_id: int | Sequence[int] | None = None,
-        sampling: SamplingParams | Mapping[str, Any] | None = None,
+        sampling: SamplingParams | None = None,
         streamer: BaseStreamer | None = None,
-        logits_processor: LogitsProcessor | None = None,
     ) -> GenerationResult:
         """Generate up to ``max_new_tokens`` tokens after ``input_ids``.
 
         Args:
             input_ids: ``(n,)`` or ``(1, n)`` prompt token ids (batch size 1).
-            max_new_tokens: an integer >= 1 (numpy integers too).
-            eos_token_id: token id(s) that end generation (included in the output): an
-                integer (numpy integers too), a sequence of them or a tensor.
-            sampling: overrides the decoder's sampling parameters for this call: a
-                :class:`SamplingParams` or its fields as a dict
-                (``{"do_sample": True, "temperature": 0.7}``).
+            eos_token_id: token id(s) that end generation (included in the output).
+            sampling: overrides the decoder's sampling parameters for this call.
             streamer: a transformers ``BaseStreamer``; receives the prompt, then every
                 committed token in order, then ``end()``.
-            logits_processor: applied to the draft's and the target's logits alike before
-                argmax / sampling (a transformers ``LogitsProcessorList``, e.g. a
-                repetition penalty). At each position it sees the prompt, the committed
-                tokens and the drafts before that position, so greedy output stays the
-                target's processed greedy output and sampling stays lossless. None (the
-                default) costs nothing.
-
-        Thread safety: calls on one decoder run one at a time (see the class docstring).
 
         Raises:
-            TypeError: an argument of the wrong type (the message names it).
             ValueError: batch > 1, empty prompt, ``max_new_tokens < 1``.
             ContextLengthError: prompt + ``max_new_tokens`` exceeds the model's context.
             NonFiniteLogitsError: the model produced NaN/inf logits.
         """
         prompt = self._validate_prompt(input_ids)
-        if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool):
-            raise TypeError(
-                f"max_new_tokens must be an integer, got {type(max_new_tokens).__name__} "
-                f"{max_new_tokens!r}"
-            )
-        max_new_tokens = int(max_new_tokens)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.engine.check_context(prompt.numel() + max_new_tokens)
-        params = _sampling_params(sampling) if sampling is not None else self.sampling
+        params = sampling if sampling is not None else self.sampling
         stop_ids = _stop_set(eos_token_id)
-        if logits_processor is not None and not callable(logits_processor):
-            raise TypeError(
-                "logits_processor must be a callable (input_ids, scores) -> scores, such as a "
-                f"transformers LogitsProcessorList; got {type(logits_processor).__name__}"
-            )
-        with self._lock:
-            return self._generate(
-                prompt, max_new_tokens, stop_ids, params, streamer, logits_processor
-            )
-
-    def _generate(
-        self,
-        prompt: torch.Tensor,
-        max_new_tokens: int,
-        stop_ids: frozenset[int],
-        params: SamplingParams,
-        streamer: BaseStreamer | None,
-        logits_processor: LogitsProcessor | None,
-    ) -> GenerationResult:
         generator = None
         if params.do_sample:
             generator = torch.Generator(device=self.engine.device)
-            # No seed: draw one from torch's global RNG, so that torch.manual_seed(s) makes
-            # the call reproducible, as model.generate's sampling is.
-            seed = params.seed
-            if seed is None:
-                seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
-            generator.manual_seed(seed)
-        run = _Run(
-            self, prompt, max_new_tokens, stop_ids, params, generator, streamer, logits_processor
-        )
+            if params.seed is not None:
+                generator.manual_seed(params.seed)
+            else:
+                generator.seed()
+        run = _Run(self, prompt, max_new_tokens, stop_ids, params, generator, streamer)
         return run.execute()
 
     def _validate_prompt(self, input_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
@@ -257,39 +207,14 @@ class SpeculativeDecoder:
         return ids.to(device=self.engine.device, dtype=torch.long)
 
 
-def _sampling_params(sampling: SamplingParams | Mapping[str, Any]) -> SamplingParams:
-    """``sampling`` as :class:`SamplingParams` (a dict gives its fields)."""
-    if isinstance(sampling, SamplingParams):
-        return sampling
-    if isinstance(sampling, Mapping):
-        fields = {field.name for field in attrs.fields(SamplingParams)}
-        unknown = sorted(str(key) for key in sampling if key not in fields)
-        if unknown:
-            raise TypeError(
-                f"sampling: unknown field(s) {', '.join(unknown)}; valid: {', '.join(fields)}"
-            )
-        return SamplingParams(**sampling)
-    raise TypeError(
-        f"sampling must be a SamplingParams or a dict of its fields, got {type(sampling).__name__}"
-    )
-
-
 def _stop_set(eos_token_id: int | Sequence[int] | torch.Tensor | None) -> frozenset[int]:
     if eos_token_id is None:
         return frozenset()
+    if isinstance(eos_token_id, int):
+        return frozenset({eos_token_id})
     if isinstance(eos_token_id, torch.Tensor):
-        values: list[Any] = eos_token_id.flatten().tolist()
-    elif isinstance(eos_token_id, (str, bytes)) or not isinstance(eos_token_id, Sequence):
-        values = [eos_token_id]
-    else:
-        values = list(eos_token_id)
-    for value in values:
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-            raise TypeError(
-                f"eos_token_id must be a token id (an integer), a sequence of them or a "
-                f"tensor; got {type(value).__name__} {value!r}"
-            )
-    return frozenset(int(value) for value in values)
+        return frozenset(int(t) for t in eos_token_id.flatten().tolist())
+    return frozenset(int(t) for t in eos_token_id)
 
 
 class _Run:
@@ -305,10 +230,8 @@ class _Run:
         params: SamplingParams,
         generator: torch.Generator | None,
         streamer: BaseStreamer | None,
-        logits_processor: LogitsProcessor | None = None,
     ) -> None:
         self.decoder = decoder
-        self.logits_processor = logits_processor
         self.engine = decoder.engine
         self.prompt = prompt
         self.max_new_tokens = max_new_tokens
@@ -320,29 +243,13 @@ class _Run:
         self.output: list[int] = []
         self.cache = decoder._cache
         self.uses_window = decoder.planner.uses_window
+        self.proposal_names = decoder.planner.proposal_drafters()
         self.synchronize = self.engine.device.type == "cuda"
 
     def _now(self) -> float:
         if self.synchronize:
             torch.cuda.synchronize(self.engine.device)
         return time.perf_counter()
-
-    def _process(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
-        """``(rows, vocab)`` logits through the call's logits processor (unchanged without).
-
-        Row ``j`` predicts the token after ``drafts[:j]``, so the processor sees the
-        committed sequence followed by those drafts: a draft step and the verification
-        row at the same position are processed identically.
-        """
-        if self.logits_processor is None:
-            return logits
-        committed = self.sequence[: self.prompt.numel() + len(self.output)]
-        rows = []
-        for j in range(logits.shape[0]):
-            prefix = torch.cat([committed, torch.tensor(drafts[:j], dtype=torch.long)])
-            row = logits[j : j + 1].float().clone()  # processors may write in place
-            rows.append(self.logits_processor(prefix.unsqueeze(0).to(logits.device), row))
-        return torch.cat(rows)
 
     def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """Pick a token from ``logits (vocab,)``: argmax, or a sample from the processed p."""
@@ -382,14 +289,23 @@ class _Run:
             # Target tokens for the seed: the model's argmax after each seed token.
             seed_logits = engine.logits(out.hidden[-seed:])
             decoder._window.push(out.points, self.prompt[-seed:], seed_logits.argmax(-1), n - seed)
-        pending, _ = self._choose(self._process(out.logits[-1:], [])[0])
+        pending, _ = self._choose(out.logits[-1])
         stats.prefill_time_s = self._now() - start_time
         self._commit([pending])
 
         round_index = 0
         last_plan: DraftPlan | None = None
+        proposers = [d for d in decoder.drafters if d.registered_name in self.proposal_names]
+        for drafter in proposers:
+            drafter.reset(self.sequence[: n + 1].tolist())
         while not self._finished():
             plan_start = self._now()
+            room = min(
+                decoder.max_draft_length,
+                self.max_new_tokens - len(self.output) - 1,
+                engine.max_context - n - 1,
+            )
+            proposals = self._propose(proposers, max(0, room))
             context = PlanningContext(
                 engine=engine,
                 cache=cache,
@@ -402,35 +318,50 @@ class _Run:
                 round_index=round_index,
                 remaining_tokens=self.max_new_tokens - len(self.output),
                 tokens=self.sequence[: self.prompt.numel() + len(self.output)],
+                proposals=proposals,
             )
             plan = decoder.planner.plan(context)
             stats.plan_time_s += self._now() - plan_start
-            if plan != last_plan:
+            if last_plan is None or _plan_key(plan) != _plan_key(last_plan):
                 self._record_plan(plan, round_index, n)
                 last_plan = plan
-            budget = min(
-                plan.draft_length,
-                decoder.max_draft_length,
-                self.max_new_tokens - len(self.output) - 1,
-                engine.max_context - n - 1,
-            )
-            drafts, draft_probs, draft_time = self._draft(plan, pending, n, max(0, budget))
-            verdict, verify_time, points, target_next = self._verify(
-                pending, drafts, draft_probs, n, self._wants_window()
-            )
-            accepted = verdict.accepted
+            if plan.draft_length == 0 and plan.best_draft_speedup is not None:
+                best = stats.best_rejected_draft_speedup
+                stats.best_rejected_draft_speedup = max(best or 0.0, plan.best_draft_speedup)
+            budget = max(0, min(plan.draft_length, room))
+            draft = self._draft(plan, proposals, pending, n, budget)
+            verification = self._verify(pending, draft, n, self._wants_window())
+            accepted = verification.accepted
             # Inputs at positions n .. n + accepted are now committed: keep their K/V only.
             cache.crop(n + accepted + 1)
-            if points is not None and target_next is not None:
-                inputs = torch.tensor([pending, *drafts[:accepted]], device=engine.device)
+            if verification.points is not None and verification.target_next is not None:
+                inputs = torch.tensor([pending, *draft.tokens[:accepted]], device=engine.device)
                 decoder._window.push(
-                    points[:, : accepted + 1], inputs, target_next[: accepted + 1], n
+                    verification.points[:, : accepted + 1],
+                    inputs,
+                    verification.target_next[: accepted + 1],
+                    n,
                 )
             n += accepted + 1
-            committed = self._commit(verdict.tokens)
-            stats.record_round(len(drafts), accepted, committed)
-            pending = verdict.tokens[-1]
-            outcome = StepOutcome(plan, n, len(drafts), accepted, draft_time, verify_time)
+            committed = self._commit(verification.tokens)
+            drafter_name = draft.drafter if draft.tokens else "none"
+            stats.record_round(
+                len(draft), accepted, committed, drafter_name, plan.predicted_acceptance
+            )
+            pending = verification.tokens[-1]
+            kept = verification.tokens[:committed]
+            for drafter in proposers:
+                drafter.extend(kept)
+            outcome = StepOutcome(
+                plan,
+                n,
+                len(draft),
+                accepted,
+                draft.seconds,
+                verification.seconds,
+                proposals=proposals,
+                committed_tokens=tuple(kept),
+            )
             decoder.planner.update(outcome)
             round_index += 1
 
@@ -471,79 +402,71 @@ class _Run:
             self.streamer.put(torch.tensor(kept, dtype=torch.long))  # type: ignore[no-untyped-call]
         return len(kept)
 
-    def _draft(
-        self, plan: DraftPlan, pending: int, n: int, budget: int
-    ) -> tuple[list[int], torch.Tensor | None, float]:
-        """Draft up to ``budget`` tokens with the plan's mask, from position ``n``."""
-        if budget == 0:
-            return [], None, 0.0
-        engine, cost_model = self.engine, self.decoder.cost_model
-        threshold = self.decoder.confidence_threshold
-        drafts: list[int] = []
-        probs: list[torch.Tensor] = []
-        token = pending
-        total = 0.0
-        for step in range(budget):
-            step_start = self._now()
-            out = engine.forward(
-                torch.tensor([token], device=engine.device), n + step, self.cache, plan.mask
-            )
-            logits = out.logits[0]
-            check_finite(logits, "drafting")
-            logits = self._process(out.logits[:1], drafts)[0]
-            token, q = self._choose(logits)
-            if q is not None:
-                probs.append(q)
-            # The draft's top-1 probability; skipped when early exit is off (τ_conf = 0).
-            confidence = 1.0
-            if threshold > 0:
-                confidence = float(q.max() if q is not None else torch.softmax(logits, -1).max())
-            drafts.append(token)
-            elapsed = self._now() - step_start
-            total += elapsed
-            if cost_model is not None:
-                cost_model.observe(LatencyObservation("draft", n + step, elapsed, 1, plan.mask))
-            if confidence < threshold:
-                break  # the low-confidence token is still verified
-        self.stats.draft_time_s += total
-        return drafts, (torch.stack(probs) if probs else None), total
+    def _propose(self, proposers: list[Drafter], room: int) -> tuple[Draft, ...]:
+        """This round's proposals by the drafters the planner prices before planning."""
+        if not proposers:
+            return ()
+        started = self._now()
+        proposals = tuple(
+            drafter.propose(room)  # type: ignore[attr-defined]
+            for drafter in proposers
+        )
+        self.stats.lookup_time_s += self._now() - started
+        return proposals
 
-    def _verify(
-        self,
-        pending: int,
-        drafts: list[int],
-        draft_probs: torch.Tensor | None,
-        n: int,
-        capture: bool,
-    ) -> tuple[Verdict, float, torch.Tensor | None, torch.Tensor | None]:
-        """One full forward over ``[pending, *drafts]``; returns the verdict and, with
-        ``capture``, the window data."""
+    def _draft(
+        self, plan: DraftPlan, proposals: tuple[Draft, ...], pending: int, n: int, budget: int
+    ) -> Draft:
+        """The plan's draft of up to ``budget`` tokens after ``pending`` (at position ``n``):
+        the chosen proposal cut to ``budget``, or the sub-network run under the plan's mask."""
+        if budget == 0:
+            return _NO_DRAFT
+        if plan.drafter != SUBNETWORK:
+            for proposal in proposals:
+                if proposal.drafter == plan.drafter:
+                    return proposal.truncated(budget)
+            raise RuntimeError(
+                f"the planner chose drafter {plan.drafter!r}, which proposed nothing this "
+                f"round (proposals: {[p.drafter for p in proposals]})"
+            )
+        draft = self.decoder._subnetwork.propose(
+            self.engine,
+            self.cache,
+            plan.mask,
+            pending,
+            n,
+            budget,
+            self._choose,
+            confidence_threshold=self.decoder.confidence_threshold,
+            cost_model=self.decoder.cost_model,
+            clock=self._now,
+        )
+        self.stats.draft_time_s += draft.seconds
+        return draft
+
+    def _verify(self, pending: int, draft: Draft, n: int, capture: bool) -> Verification:
+        """One full forward over ``[pending, *draft]`` and the acceptance test; with
+        ``capture``, also the window data."""
         engine = self.engine
         verify_start = self._now()
-        inputs = torch.tensor([pending, *drafts], device=engine.device)
+        inputs = torch.tensor([pending, *draft.tokens], device=engine.device)
         out = engine.forward(inputs, n, self.cache, capture_points=capture)
         check_finite(out.logits, "verification")
-        target_next = out.logits.argmax(dim=-1)
-        scores = self._process(out.logits, drafts)
+        target_next = out.logits.argmax(dim=-1) if capture else None
+        drafts = list(draft.tokens)
         if self.params.do_sample:
-            target_probs = processed_probs(scores, self.params)
-            assert draft_probs is not None or not drafts
-            empty = target_probs[:0]
-            verdict = verify_sampling(
-                drafts,
-                draft_probs if draft_probs is not None else empty,
-                target_probs,
-                self.generator,
-            )
+            target_probs = processed_probs(out.logits, self.params)
+            draft_probs = draft.draft_probs(target_probs.shape[-1], target_probs.device)
+            verdict = verify_sampling(drafts, draft_probs, target_probs, self.generator)
         else:
-            verdict = verify_greedy(drafts, scores)
+            verdict = verify_greedy(drafts, out.logits)
         elapsed = self._now() - verify_start
         self.stats.verify_time_s += elapsed
         if self.decoder.cost_model is not None:
             self.decoder.cost_model.observe(
                 LatencyObservation("verify", n, elapsed, len(drafts) + 1)
             )
-        return verdict, elapsed, out.points, target_next
+        return Verification(verdict.accepted, verdict.tokens, elapsed, out.points, target_next)
 
     def _record_plan(self, plan: DraftPlan, round_index: int, n: int) -> None:
         skipped = plan.mask.skipped
@@ -557,8 +480,19 @@ class _Run:
                 skipped_items=skipped,
                 source=plan.source,
                 predicted_acceptance=plan.predicted_acceptance,
+                drafter=plan.drafter_used,
             )
         )
+
+
+#: The empty draft of a γ = 0 round.
+_NO_DRAFT = Draft((), NO_DRAFT)
+
+
+def _plan_key(plan: DraftPlan) -> tuple[str, int, SublayerMask]:
+    """What makes a plan a different plan in the stats: who drafts, how many, which mask
+    (a lookup plan's predictions change every round; recording each would flood them)."""
+    return plan.drafter_used, plan.draft_length, plan.mask
 
 
 __all__ = ["ContextLengthError", "GenerationResult", "SpeculativeDecoder"]

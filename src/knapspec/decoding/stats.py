@@ -10,7 +10,8 @@ import attrs
 
 @attrs.frozen
 class PlanRecord:
-    """A plan as it was used: recorded each time the planner changes its proposal."""
+    """A plan as it was used: recorded each time the planner changes its proposal (its
+    drafter, γ or mask). ``drafter`` is ``"subnetwork"``, ``"lookup"`` or ``"none"`` (γ = 0)."""
 
     round_index: int
     context_length: int
@@ -20,6 +21,46 @@ class PlanRecord:
     skipped_items: tuple[int, ...]
     source: str
     predicted_acceptance: float | None
+    drafter: str = "subnetwork"
+
+
+@attrs.define
+class DrafterCounts:
+    """Rounds, drafted and accepted tokens of one drafter (``"none"``: plain steps).
+
+    ``rejections`` counts rounds that rejected a draft token; ``predicted_acceptance_sum``
+    sums the planner's per-token acceptance predictions over ``predicted_rounds`` rounds.
+    """
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rejections: int = 0
+    predicted_acceptance_sum: float = 0.0
+    predicted_rounds: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def conditional_acceptance(self) -> float:
+        """Per-token acceptance given the previous token was accepted (accepted over
+        accepted + rejected tokens; tokens after a rejection were never tried): the
+        quantity the planner predicts."""
+        trials = self.accepted + self.rejections
+        return self.accepted / trials if trials else 0.0
+
+    @property
+    def mean_predicted_acceptance(self) -> float | None:
+        if not self.predicted_rounds:
+            return None
+        return self.predicted_acceptance_sum / self.predicted_rounds
+
+    @property
+    def mean_draft_length(self) -> float:
+        return self.drafted / self.rounds if self.rounds else 0.0
 
 
 @attrs.define
@@ -29,6 +70,11 @@ class GenerationStats:
     Acceptance rate is accepted draft tokens over drafted tokens; the mean accepted length
     counts the bonus token (tokens committed per verify round), as vLLM and Spec-Bench do.
     ``accept_lengths`` holds the tokens committed in every round (Spec-Bench field).
+    ``drafters`` counts rounds, drafted and accepted tokens per drafter (``"subnetwork"``,
+    ``"lookup"``, ``"none"`` for plain steps); ``lookup_time_s`` is the time spent proposing
+    lookup drafts (every round, drafted or not). ``best_rejected_draft_speedup`` is the
+    highest predicted speed, relative to a plain step, of a draft the planner priced and
+    rejected in favour of γ = 0 (None when it priced none): why a run did not speculate.
     """
 
     prompt_tokens: int = 0
@@ -38,6 +84,7 @@ class GenerationStats:
     plan_time_s: float = 0.0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    lookup_time_s: float = 0.0
     rounds: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
@@ -45,6 +92,8 @@ class GenerationStats:
     drafted_at_position: list[int] = attrs.field(factory=list)
     accepted_at_position: list[int] = attrs.field(factory=list)
     plans: list[PlanRecord] = attrs.field(factory=list)
+    drafters: dict[str, DrafterCounts] = attrs.field(factory=dict)
+    best_rejected_draft_speedup: float | None = None
     stop_reason: str = ""
 
     @property
@@ -76,8 +125,26 @@ class GenerationStats:
             )
         ]
 
-    def record_round(self, drafted: int, accepted: int, committed: int) -> None:
-        """Count one verify round (``committed`` may be cut short by EOS / the token limit)."""
+    def record_round(
+        self,
+        drafted: int,
+        accepted: int,
+        committed: int,
+        drafter: str | None = None,
+        predicted_acceptance: float | None = None,
+    ) -> None:
+        """Count one verify round (``committed`` may be cut short by EOS / the token limit);
+        ``drafter`` names who drafted (default: ``"none"`` without drafts, else
+        ``"subnetwork"``), ``predicted_acceptance`` the plan's per-token prediction."""
+        name = drafter if drafter is not None else ("subnetwork" if drafted else "none")
+        counts = self.drafters.setdefault(name, DrafterCounts())
+        counts.rounds += 1
+        counts.drafted += drafted
+        counts.accepted += accepted
+        counts.rejections += int(accepted < drafted)
+        if drafted and predicted_acceptance is not None:
+            counts.predicted_acceptance_sum += predicted_acceptance
+            counts.predicted_rounds += 1
         self.rounds += 1
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
@@ -105,12 +172,42 @@ class GenerationStats:
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
 
+    def no_draft_reason(self) -> str:
+        """Why nothing was drafted ("" when something was)."""
+        if self.drafted_tokens:
+            return ""
+        if self.best_rejected_draft_speedup is None:
+            return "γ = 0 every round: no draft was available to price"
+        return (
+            f"γ = 0 every round: the best draft priced was predicted at "
+            f"{self.best_rejected_draft_speedup:.2f}x a plain step"
+        )
+
+    def drafter_summary(self) -> str:
+        """Per drafter: rounds, mean γ, predicted vs measured per-token acceptance."""
+        parts = []
+        for name, counts in sorted(self.drafters.items()):
+            if name == "none":
+                parts.append(f"plain steps (γ = 0) in {counts.rounds} rounds")
+                continue
+            part = (
+                f"{name} drafts in {counts.rounds} rounds (mean γ {counts.mean_draft_length:.1f}, "
+                f"per-token acceptance {counts.conditional_acceptance:.2f}"
+            )
+            predicted = counts.mean_predicted_acceptance
+            if predicted is not None:
+                part += f", predicted {predicted:.2f}"
+            parts.append(part + ")")
+        return "; ".join(parts)
+
     def summary(self) -> str:
         """One line for humans."""
+        reason = self.no_draft_reason()
+        acceptance = f"acceptance {self.acceptance_rate:.2f}" + (f" ({reason})" if reason else "")
         return (
             f"{self.new_tokens} tokens in {self.wall_time_s:.2f} s "
             f"({self.tokens_per_second:.1f} tok/s), "
-            f"acceptance {self.acceptance_rate:.2f}, mean accepted length "
+            f"{acceptance}, mean accepted length "
             f"{self.mean_accepted_length:.2f}, {self.rounds} rounds "
             f"(plan {self.plan_time_s:.2f} s / draft {self.draft_time_s:.2f} s / "
             f"verify {self.verify_time_s:.2f} s)"

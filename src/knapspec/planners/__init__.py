@@ -8,6 +8,7 @@ from knapspec.planners.bayesian import BayesianPlanner
 from knapspec.planners.clasp import CLaSpPlanner
 from knapspec.planners.del_ import DELPlanner
 from knapspec.planners.knapsack import KnapsackPlanner
+from knapspec.planners.lookup import LookupPlanner
 from knapspec.planners.static import AutoregressivePlanner, EarlyExitPlanner, StaticPlanner
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "DELPlanner",
     "EarlyExitPlanner",
     "KnapsackPlanner",
+    "LookupPlanner",
     "Planner",
     "PlanningContext",
     "StaticPlanner",

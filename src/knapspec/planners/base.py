@@ -16,6 +16,7 @@ from knapspec.window import ReferenceWindow, WindowBuffer
 
 if TYPE_CHECKING:
     from knapspec.costmodels.base import CostModel
+    from knapspec.drafters.base import Draft
     from knapspec.model.cache import KVCache
     from knapspec.model.engine import SublayerEngine
     from knapspec.proxies.base import ValueProxy
@@ -40,6 +41,9 @@ class PlanningContext:
             planner judge whether an expensive search can pay for itself.
         tokens: ``(m,)`` the prompt and every token committed so far, oldest first (None =
             not given); e.g. for the knapsack planner's copy-evidence gate.
+        proposals: drafts already proposed for this round by the drafters the planner
+            named in :meth:`Planner.proposal_drafters` (e.g. the lookup continuation);
+            the planner prices them and may choose one, cut to a γ.
     """
 
     engine: SublayerEngine
@@ -53,6 +57,14 @@ class PlanningContext:
     round_index: int = 0
     remaining_tokens: int | None = None
     tokens: torch.Tensor | None = None
+    proposals: tuple[Draft, ...] = ()
+
+    def proposal(self, drafter: str) -> Draft | None:
+        """This round's proposal by ``drafter`` (None when it proposed nothing)."""
+        for draft in self.proposals:
+            if draft.drafter == drafter:
+                return draft
+        return None
 
     @property
     def window(self) -> ReferenceWindow | None:
@@ -98,6 +110,11 @@ class Planner(Component, abc.ABC):
         only). Default: :attr:`uses_window`.
         """
         return self.uses_window
+
+    def proposal_drafters(self) -> frozenset[str]:
+        """Drafters whose proposals this planner reads before every plan (the decoder runs
+        them and passes the drafts in :attr:`PlanningContext.proposals`). Default: none."""
+        return frozenset()
 
     def update(self, outcome: StepOutcome) -> None:
         """Feedback after a round (accepted count, timings). Default: ignore."""

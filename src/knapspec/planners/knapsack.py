@@ -31,6 +31,7 @@ import attrs
 import numpy as np
 import torch
 
+from knapspec.drafters.base import LOOKUP, SUBNETWORK
 from knapspec.planners.base import PLANNERS, Planner, PlanningContext
 from knapspec.planners.copying import CopyTracker
 from knapspec.planners.dp import (
@@ -42,15 +43,17 @@ from knapspec.planners.dp import (
     mean_cosine,
     single_items,
 )
+from knapspec.planners.lookup import LookupOption, LookupPricing, lookup_plan
 from knapspec.planners.objective import (
     GridSearchResult,
     RoundCosts,
     breakeven_acceptance,
     grid_search,
+    tokens_per_time,
 )
 from knapspec.planners.replan import ReplanConfig, ReplanPolicy, ReplanReason
 from knapspec.types import DraftPlan, StepOutcome, SublayerMask
-from knapspec.validators import at_least, cosine, optional, unit_interval
+from knapspec.validators import at_least, cosine, interval, optional, unit_interval
 
 if TYPE_CHECKING:
     from knapspec.costmodels.base import CostModel
@@ -70,11 +73,33 @@ def _replan_field(name: str) -> Any:
     return attrs.field(default=field.default, validator=field.validator)
 
 
+#: The drafter families the knapsack planner can search over.
+DRAFTER_FAMILIES = (SUBNETWORK, LOOKUP)
+
+
+def _drafter_names(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    unknown = [name for name in value if name not in DRAFTER_FAMILIES]
+    if unknown:
+        raise ValueError(
+            f"{attribute.name} may name {', '.join(repr(d) for d in DRAFTER_FAMILIES)}; "
+            f"got {unknown}"
+        )
+    if len(set(value)) != len(value):
+        raise ValueError(f"{attribute.name} names a drafter twice: {list(value)}")
+
+
 @attrs.frozen
 class KnapsackPlannerConfig:
     """Hyper-parameters of :class:`KnapsackPlanner`.
 
     Attributes:
+        drafters: the drafter families searched each round besides γ = 0: ``"subnetwork"``
+            (the knapsack DP's layer-skip draft, searched when the copy gate and planning
+            budget allow) and ``"lookup"`` (the round's prompt-lookup proposal, priced every
+            round and cut at its TPT-optimal length). Drop one for the ablation; an empty
+            tuple is plain decoding.
+        lookup_min_speedup: a lookup draft is taken only when its predicted TPT is at least
+            this times a plain step's (and at least the sub-network plan's).
         tau: DP pruning threshold τ on the value (cosine); None disables pruning.
         budget_fraction: the half-budget bound — skip at most this fraction of the weight.
         max_budget: an absolute cap on the skipped weight (None: only the fraction). The
@@ -116,6 +141,10 @@ class KnapsackPlannerConfig:
             (:class:`~knapspec.planners.replan.ReplanConfig`).
     """
 
+    drafters: tuple[str, ...] = attrs.field(
+        default=DRAFTER_FAMILIES, converter=tuple, validator=_drafter_names
+    )
+    lookup_min_speedup: float = attrs.field(default=1.0, validator=interval(1.0, math.inf))
     tau: float | None = attrs.field(default=0.5, validator=optional(cosine))
     budget_fraction: float = attrs.field(default=0.5, validator=unit_interval)
     max_budget: int | None = attrs.field(default=12, validator=optional(at_least(0)))
@@ -281,6 +310,8 @@ class KnapsackPlanner(Planner):
         self.last_reason_: ReplanReason | None = None
         self.gated_rounds_ = 0
         self._copying = CopyTracker(self.config.copy_ngram, self.config.copy_recent_tokens)
+        self._lookup = LookupPricing()
+        self.last_lookup_: LookupOption | None = None
 
     # ------------------------------------------------------------- Planner API
     def reset(self) -> None:
@@ -288,9 +319,22 @@ class KnapsackPlanner(Planner):
         self.last_reason_ = None
         self.gated_rounds_ = 0
         self._copying.reset()
+        self._lookup.reset()
+        self.last_lookup_ = None
+
+    @property
+    def _prices_lookup(self) -> bool:
+        return LOOKUP in self.config.drafters and self.config.objective == "tpt"
+
+    def proposal_drafters(self) -> frozenset[str]:
+        return frozenset({LOOKUP}) if self._prices_lookup else frozenset()
 
     def update(self, outcome: StepOutcome) -> None:
-        self.policy.observe(outcome)
+        if self._prices_lookup:
+            self._lookup.observe(outcome)
+        # The re-planning policy follows the sub-network plan (and plain steps) only.
+        if outcome.plan.drafter_used != LOOKUP:
+            self.policy.observe(outcome)
 
     def wants_window(self, tokens: torch.Tensor) -> bool:
         """Record the window only for a search that is due: while a speculative plan runs
@@ -298,6 +342,8 @@ class KnapsackPlanner(Planner):
         the next round's context length and the copy gate is open. The search then runs
         one round later, on a fresh window; every other round skips the recording (about
         1 % of a step on SmolLM2-135M)."""
+        if SUBNETWORK not in self.config.drafters:
+            return False
         current = self.policy.plan_
         if current is not None and current.draft_length > 0:
             return True
@@ -309,6 +355,58 @@ class KnapsackPlanner(Planner):
         return self._copying.update(tokens) >= self.config.min_copied_fraction
 
     def plan(self, context: PlanningContext) -> DraftPlan:
+        """The best of: the sub-network plan (re-planned when the policy says so), this
+        round's lookup proposal cut at its TPT optimum, and γ = 0."""
+        if SUBNETWORK in self.config.drafters:
+            subnetwork = self._plan_subnetwork(context)
+        else:
+            subnetwork = DraftPlan.autoregressive(context.engine.num_layers, source="knapsack")
+        if not self._prices_lookup or context.cost_model is None:
+            return subnetwork
+        return self._with_lookup(context, context.cost_model, subnetwork)
+
+    def _with_lookup(
+        self, context: PlanningContext, cost_model: CostModel, subnetwork: DraftPlan
+    ) -> DraftPlan:
+        """One TPT comparison of the lookup proposal's best cut with ``subnetwork``."""
+        max_draft = context.max_draft_length
+        if self.config.max_draft_length is not None:
+            max_draft = min(max_draft, self.config.max_draft_length)
+        option = self._lookup.price(context, cost_model, max_draft)
+        self.last_lookup_ = option
+        if option is None:
+            return subnetwork
+        n = context.context_length
+        rival = option.plain_tokens_per_second * self.config.lookup_min_speedup
+        if subnetwork.draft_length > 0 and subnetwork.predicted_acceptance is not None:
+            gamma = subnetwork.draft_length
+            rival = max(
+                rival,
+                tokens_per_time(
+                    subnetwork.predicted_acceptance,
+                    gamma,
+                    cost_model.draft_cost(subnetwork.mask, n),
+                    cost_model.verify_cost(gamma + 1, n),
+                ),
+            )
+        if option.draft_length > 0 and option.tokens_per_second >= rival:
+            return lookup_plan(
+                context.engine.num_layers,
+                option.draft_length,
+                "knapsack",
+                predicted_acceptance=option.mean_acceptance,
+                predicted_tokens_per_second=option.tokens_per_second,
+            )
+        if subnetwork.draft_length == 0:
+            return attrs.evolve(
+                subnetwork,
+                best_draft_speedup=option.best_draft_tokens_per_second
+                / option.plain_tokens_per_second,
+            )
+        return subnetwork
+
+    def _plan_subnetwork(self, context: PlanningContext) -> DraftPlan:
+        """The layer-skip family: the current plan, or a new search when it is due."""
         current = self.policy.plan_
         if current is not None and current.mask.num_items != context.engine.num_items:
             self.policy.reset()  # a plan for another model: start over

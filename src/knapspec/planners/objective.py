@@ -252,10 +252,55 @@ def grid_search(
     )
 
 
+def chained_expected_tokens(conditional: npt.ArrayLike) -> FloatArray:
+    """``E[γ]`` for ``γ = 0 .. L``: tokens committed per round when draft token ``j`` is
+    accepted with probability ``conditional[j]`` given tokens ``< j`` were,
+
+        E[γ] = 1 + Σ_{k=1}^{γ} Π_{j<k} conditional[j]   (the bonus / correction token is the 1).
+
+    With a constant ``conditional = α`` this is :func:`expected_tokens`.
+
+    Args:
+        conditional: ``(L,)`` conditional acceptance per draft position, clipped to [0, 1].
+    """
+    rates = np.clip(np.asarray(conditional, dtype=np.float64).reshape(-1), 0.0, 1.0)
+    reach = np.cumprod(rates)  # (L,): P(first k + 1 drafts all accepted)
+    result: FloatArray = 1.0 + np.concatenate(([0.0], np.cumsum(reach)))
+    return result
+
+
+def best_chained_length(
+    conditional: npt.ArrayLike, verify: npt.ArrayLike, draft_cost: float = 0.0
+) -> tuple[int, FloatArray]:
+    """The TPT-optimal cut of a draft whose tokens already exist (a lookup proposal).
+
+    Args:
+        conditional: ``(L,)`` conditional acceptance per draft position.
+        verify: ``(≥ L + 1,)`` round costs: ``verify[0]`` a plain step, ``verify[k]`` the
+            full model over ``k + 1`` tokens.
+        draft_cost: cost added to every speculative round (γ >= 1).
+
+    Returns:
+        ``(γ, tpt)``: the best γ in ``0..L`` (ties to the smaller) and ``(L + 1,)`` the
+        tokens per unit time of every cut.
+    """
+    gain = chained_expected_tokens(conditional)
+    costs = np.asarray(verify, dtype=np.float64)[: gain.size]
+    if costs.size < gain.size:
+        raise ValueError(f"{gain.size - 1} draft tokens need {gain.size} verify costs")
+    if not np.all(costs > 0) or draft_cost < 0:
+        raise ValueError("verify costs must be positive and draft_cost >= 0")
+    spend = costs + np.where(np.arange(gain.size) > 0, draft_cost, 0.0)
+    tpt: FloatArray = gain / spend
+    return int(np.argmax(tpt)), tpt
+
+
 __all__ = [
     "GridSearchResult",
     "RoundCosts",
+    "best_chained_length",
     "breakeven_acceptance",
+    "chained_expected_tokens",
     "expected_tokens",
     "grid_search",
     "tokens_per_layer",

@@ -1,0 +1,162 @@
+"""Online acceptance estimates for lookup drafts, learned from every round in hindsight.
+
+A lookup proposal is made before every round, whether or not the round drafts with it.
+Once the round has committed its tokens (target tokens: accepted drafts plus the
+correction or bonus token), comparing them with the proposal tells how many of its tokens
+the target would have accepted: token ``j`` is accepted with probability ``p_j(x_j)`` (q is
+one-hot), and the committed token ``j`` is a sample of ``p_j`` given the same prefix, so
+"equal" is an unbiased draw of that event, greedy or sampled. The estimator therefore
+learns during plain steps too, and notices by itself when a γ = 0 stretch should end.
+
+Estimates are kept per *bucket*: the measured match length (1, 2, 3, 4-7, 8-15, 16+
+tokens) × whether the previous round's proposal matched everything committed (a copy
+streak). Within a bucket, the acceptance of position ``j`` given positions ``< j`` were
+accepted is a Beta estimate shrunk to the bucket's pooled rate, itself shrunk to a prior
+that rises with the match length. Counts decay geometrically, so the estimate follows the
+regime of the current output.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+FloatArray = npt.NDArray[np.float64]
+
+
+def _unit_interval(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{attribute.name} must be in (0, 1], got {value}")
+
+
+def _priors(
+    instance: LookupAcceptanceConfig,
+    attribute: attrs.Attribute[tuple[float, ...]],
+    value: tuple[float, ...],
+) -> None:
+    priors = tuple(value)
+    if len(priors) != len(instance.match_edges):
+        raise ValueError(
+            f"prior_acceptance needs one value per match-length bucket "
+            f"({len(instance.match_edges)}), got {len(priors)}"
+        )
+    if not all(0.0 < p < 1.0 for p in priors):
+        raise ValueError(f"prior_acceptance values must be in (0, 1), got {priors}")
+
+
+def _edges(
+    instance: object, attribute: attrs.Attribute[tuple[int, ...]], value: tuple[int, ...]
+) -> None:
+    edges = tuple(value)
+    if not edges or edges[0] != 1 or any(b <= a for a, b in itertools.pairwise(edges)):
+        raise ValueError(f"match_edges must rise strictly from 1, got {edges}")
+
+
+@attrs.frozen
+class LookupAcceptanceConfig:
+    """Hyper-parameters of :class:`LookupAcceptance`.
+
+    Attributes:
+        match_edges: lower edges of the match-length buckets (rising, from 1).
+        prior_acceptance: per bucket, the prior per-token acceptance.
+        prior_strength: pseudo-trials of the prior in a bucket's pooled rate.
+        position_strength: pseudo-trials of the pooled rate in each position's rate.
+        decay: every observed round multiplies all counts by this (1 = never forget).
+        max_positions: draft positions tracked separately (later ones share the last).
+    """
+
+    match_edges: tuple[int, ...] = attrs.field(default=(1, 2, 3, 4, 8, 16), validator=_edges)
+    prior_acceptance: tuple[float, ...] = attrs.field(
+        default=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8), validator=_priors
+    )
+    prior_strength: float = attrs.field(default=2.0, validator=attrs.validators.gt(0.0))
+    position_strength: float = attrs.field(default=2.0, validator=attrs.validators.gt(0.0))
+    decay: float = attrs.field(default=0.99, validator=_unit_interval)
+    max_positions: int = attrs.field(default=16, validator=attrs.validators.ge(1))
+
+
+def hindsight_matches(proposal: Sequence[int], committed: Sequence[int]) -> tuple[int, bool]:
+    """``(matched, rejected)``: leading proposal tokens equal to the committed tokens, and
+    whether a mismatch was seen (False when the comparison ran out: censored)."""
+    matched = 0
+    limit = min(len(proposal), len(committed))
+    while matched < limit and proposal[matched] == committed[matched]:
+        matched += 1
+    return matched, matched < limit
+
+
+class LookupAcceptance:
+    """Per-bucket, per-position acceptance of lookup draft tokens (see module docstring).
+
+    Args:
+        config: hyper-parameters (:class:`LookupAcceptanceConfig`).
+    """
+
+    def __init__(self, config: LookupAcceptanceConfig | None = None) -> None:
+        self.config = config if config is not None else LookupAcceptanceConfig()
+        self.reset()
+
+    @property
+    def num_buckets(self) -> int:
+        return 2 * len(self.config.match_edges)
+
+    def reset(self) -> None:
+        shape = (self.num_buckets, self.config.max_positions)
+        self.accepted_: FloatArray = np.zeros(shape)
+        self.trials_: FloatArray = np.zeros(shape)
+        self.streak_ = False
+        self.observed_rounds_ = 0
+
+    def bucket(self, match_length: int, streak: bool | None = None) -> int:
+        """Bucket of a proposal with this match length (under the current streak state)."""
+        if match_length < 1:
+            raise ValueError(f"match_length must be >= 1, got {match_length}")
+        index = bisect.bisect_right(self.config.match_edges, match_length) - 1
+        on_streak = self.streak_ if streak is None else streak
+        return 2 * index + int(on_streak)
+
+    def conditional(self, bucket: int, length: int) -> FloatArray:
+        """``(length,)`` P(position ``j`` accepted | positions ``< j`` accepted)."""
+        config = self.config
+        prior = config.prior_acceptance[bucket // 2]
+        accepted, trials = self.accepted_[bucket], self.trials_[bucket]
+        pooled = (accepted.sum() + config.prior_strength * prior) / (
+            trials.sum() + config.prior_strength
+        )
+        rates = (accepted + config.position_strength * pooled) / (trials + config.position_strength)
+        positions = np.minimum(np.arange(length), config.max_positions - 1)
+        result: FloatArray = rates[positions]
+        return result
+
+    def observe(self, bucket: int, matched: int, rejected: bool) -> None:
+        """One proposal's hindsight: positions ``< matched`` accepted, and position
+        ``matched`` rejected when ``rejected``."""
+        config = self.config
+        self.accepted_ *= config.decay
+        self.trials_ *= config.decay
+        last = config.max_positions - 1
+        for position in range(matched):
+            j = min(position, last)
+            self.accepted_[bucket, j] += 1.0
+            self.trials_[bucket, j] += 1.0
+        if rejected:
+            self.trials_[bucket, min(matched, last)] += 1.0
+        self.observed_rounds_ += 1
+
+    def observe_round(
+        self, proposal: Sequence[int], match_length: int, committed: Sequence[int]
+    ) -> None:
+        """Learn from a round: the proposal made before it (full length, not the part
+        drafted) against the tokens it committed; updates the copy-streak state."""
+        matched, rejected = hindsight_matches(proposal, committed)
+        if proposal and match_length >= 1:
+            self.observe(self.bucket(match_length), matched, rejected)
+        self.streak_ = bool(proposal) and bool(committed) and not rejected
+
+
+__all__ = ["LookupAcceptance", "LookupAcceptanceConfig", "hindsight_matches"]

@@ -1,0 +1,214 @@
+"""Prompt-lookup drafting: continue an earlier occurrence of the context's suffix.
+
+The target's outputs often repeat spans of their prompt (quotes, names, edits of a
+passage) and of themselves. :class:`LookupIndex` keeps, for every n-gram length ``1..N``,
+the end positions of each n-gram seen so far, updated incrementally as tokens are
+committed (O(N²) tuple work per token, independent of the context length: a few
+microseconds; ``benchmarks/lookup_index.py`` measures it). A proposal:
+
+1. finds the **longest** suffix of the context (up to ``N`` tokens) that occurred before;
+2. takes the most recent ``max_candidates`` occurrences of it and extends each match
+   backwards (up to ``max_match``) to learn how long it really is;
+3. builds the continuation token by token by a **vote** of the occurrences that still
+   agree with the tokens chosen so far, each weighted by its match length (the longer an
+   occurrence matches the context, the more its continuation is trusted), as in
+   SuffixDecoding's frequency-weighted continuation trees.
+
+The draft's length is not decided here: the planner cuts it at the tokens-per-time optimum
+from online acceptance estimates (:class:`~knapspec.drafters.acceptance.LookupAcceptance`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import attrs
+
+from knapspec.drafters.base import DRAFTERS, LOOKUP, Draft, Drafter
+
+
+@attrs.frozen
+class LookupConfig:
+    """Hyper-parameters of :class:`LookupDrafter`.
+
+    Attributes:
+        max_ngram: N, the longest suffix looked up in the hash (>= 1); longer matches are
+            measured by extending the candidates backwards.
+        max_candidates: how many of the most recent occurrences of the matched suffix vote
+            on the continuation (>= 1).
+        max_match: cap on the measured match length (>= max_ngram); it only feeds the
+            acceptance buckets and the vote weights.
+        max_tokens: the longest continuation proposed (>= 1); the decoder's D caps it too.
+    """
+
+    max_ngram: int = attrs.field(default=4, validator=attrs.validators.ge(1))
+    max_candidates: int = attrs.field(default=8, validator=attrs.validators.ge(1))
+    max_match: int = attrs.field(default=32, validator=attrs.validators.ge(1))
+    max_tokens: int = attrs.field(default=16, validator=attrs.validators.ge(1))
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_match < self.max_ngram:
+            raise ValueError(
+                f"max_match must be >= max_ngram ({self.max_ngram}), got {self.max_match}"
+            )
+
+
+class LookupIndex:
+    """An incremental n-gram index of a growing token sequence.
+
+    ``positions[n][gram]`` lists, oldest first, the end positions ``e`` of the ``n``-gram
+    ``gram`` such that a token follows ``e`` (a gram is registered when its next token
+    arrives, so every listed occurrence has a continuation).
+
+    Args:
+        max_ngram: N, the longest n-gram indexed (>= 1).
+    """
+
+    def __init__(self, max_ngram: int = 4) -> None:
+        if max_ngram < 1:
+            raise ValueError(f"max_ngram must be >= 1, got {max_ngram}")
+        self.max_ngram = max_ngram
+        self.tokens: list[int] = []
+        self._positions: list[defaultdict[tuple[int, ...], list[int]]] = [
+            defaultdict(list) for _ in range(max_ngram + 1)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def clear(self) -> None:
+        self.tokens = []
+        for table in self._positions:
+            table.clear()
+
+    def append(self, token: int) -> None:
+        """Add one token: registers the grams that end just before it (O(N²))."""
+        tokens = self.tokens
+        end = len(tokens) - 1  # grams ending here now have a continuation
+        tokens.append(token)
+        if end < 0:
+            return
+        for n in range(1, min(self.max_ngram, end + 1) + 1):
+            self._positions[n][tuple(tokens[end - n + 1 : end + 1])].append(end)
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self.append(token)
+
+    def occurrences(self, gram: tuple[int, ...]) -> list[int]:
+        """End positions (oldest first) of earlier occurrences of ``gram`` that have a
+        continuation; ``len(gram)`` must be in ``1..N``."""
+        if not 1 <= len(gram) <= self.max_ngram:
+            raise ValueError(f"gram length must be in [1, {self.max_ngram}], got {len(gram)}")
+        return self._positions[len(gram)].get(gram, [])
+
+    def longest_suffix_match(self) -> tuple[int, list[int]]:
+        """``(n, ends)``: the longest ``n <= N`` whose last-``n``-token suffix occurred
+        before with a continuation, and those occurrences' end positions ((0, []) if
+        none). The suffix's own position never counts: it has no continuation yet."""
+        tokens = self.tokens
+        for n in range(min(self.max_ngram, len(tokens)), 0, -1):
+            ends = self._positions[n].get(tuple(tokens[-n:]))
+            if ends:
+                return n, ends
+        return 0, []
+
+    def match_length(self, end: int, cap: int) -> int:
+        """How many tokens ending at ``end`` equal the sequence's suffix (at most ``cap``)."""
+        tokens = self.tokens
+        last = len(tokens) - 1
+        length = 0
+        while length < cap and end - length >= 0 and tokens[end - length] == tokens[last - length]:
+            length += 1
+        return length
+
+    def propose(
+        self, max_tokens: int, *, max_candidates: int = 8, max_match: int = 32
+    ) -> tuple[list[int], list[float], int]:
+        """A continuation of the sequence by weighted vote of earlier occurrences.
+
+        Returns:
+            ``(tokens, support, match_length)``: up to ``max_tokens`` proposed tokens, per
+            token the weighted fraction of still-agreeing occurrences that continue with
+            it, and the longest measured match among the occurrences that agree with the
+            first token (0 and empty lists when the suffix never occurred).
+        """
+        n, ends = self.longest_suffix_match()
+        if n == 0 or max_tokens < 1:
+            return [], [], 0
+        tokens = self.tokens
+        size = len(tokens)
+        # Occurrences as (next position, weight); a longer match weighs more.
+        recent = ends[-max_candidates:]
+        lengths = [self.match_length(end, max_match) for end in recent]
+        active = [(end + 1, float(length)) for end, length in zip(recent, lengths, strict=True)]
+        starts = {end + 1: length for end, length in zip(recent, lengths, strict=True)}
+        proposal: list[int] = []
+        support: list[float] = []
+        first_supporters: list[int] = []
+        for step in range(max_tokens):
+            votes: dict[int, float] = {}
+            for start, weight in active:
+                if start + step < size:
+                    token = tokens[start + step]
+                    votes[token] = votes.get(token, 0.0) + weight
+            if not votes:
+                break
+            total = sum(votes.values())
+            # Ties go to the token of the most recent occurrence (dict order: oldest first,
+            # so scan in reverse).
+            best = max(reversed(list(votes)), key=votes.__getitem__)
+            proposal.append(best)
+            support.append(votes[best] / total)
+            active = [
+                (start, weight)
+                for start, weight in active
+                if start + step < size and tokens[start + step] == best
+            ]
+            if step == 0:
+                first_supporters = [start for start, _ in active]
+        match = max((starts[s] for s in first_supporters), default=n)
+        return proposal, support, match
+
+
+@DRAFTERS.register(LOOKUP)
+class LookupDrafter(Drafter):
+    """Drafts the continuation of the context's longest earlier-seen suffix (q one-hot).
+
+    Args:
+        config: hyper-parameters (:class:`LookupConfig`).
+    """
+
+    config_class = LookupConfig
+    proposes_before_planning = True
+
+    def __init__(self, config: LookupConfig | None = None) -> None:
+        self.config = config if config is not None else LookupConfig()
+        self.index = LookupIndex(self.config.max_ngram)
+
+    def reset(self, tokens: list[int]) -> None:
+        self.index.clear()
+        self.index.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        self.index.extend(tokens)
+
+    def propose(self, max_tokens: int) -> Draft:
+        """Up to ``min(max_tokens, config.max_tokens)`` tokens; timed."""
+        started = time.perf_counter()
+        tokens, support, match = self.index.propose(
+            min(max_tokens, self.config.max_tokens),
+            max_candidates=self.config.max_candidates,
+            max_match=self.config.max_match,
+        )
+        return Draft(
+            tuple(tokens),
+            LOOKUP,
+            support=tuple(support),
+            match_length=match,
+            seconds=time.perf_counter() - started,
+        )
+
+
+__all__ = ["LookupConfig", "LookupDrafter", "LookupIndex"]

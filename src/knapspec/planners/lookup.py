@@ -1,0 +1,175 @@
+"""Pricing lookup drafts by tokens per time, and the fixed-length lookup baseline planner.
+
+:class:`LookupPricing` is what the knapsack planner uses for its lookup family: every round
+the decoder proposes a lookup continuation (free: microseconds), and the pricing cuts it at
+the γ maximising ``E[γ] / t_verify(γ + 1, n)`` with ``E`` from the online, per-bucket
+acceptance estimates (:class:`~knapspec.drafters.acceptance.LookupAcceptance`) and
+``t_verify`` from the cost model. γ = 0 (one plain step, ``1 / t_step(n)``) is one of the
+cuts, so a proposal that does not pay is not drafted.
+
+:class:`LookupPlanner` (``"lookup"``) is the ablation every paper on prompt lookup starts
+from: draft up to a fixed ``k`` lookup tokens whenever the suffix matches.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import attrs
+import numpy as np
+
+from knapspec.drafters.acceptance import LookupAcceptance, LookupAcceptanceConfig
+from knapspec.drafters.base import LOOKUP
+from knapspec.planners.base import PLANNERS, Planner, PlanningContext
+from knapspec.planners.objective import FloatArray, best_chained_length
+from knapspec.types import DraftPlan, StepOutcome
+
+if TYPE_CHECKING:
+    from knapspec.costmodels.base import CostModel
+
+
+@attrs.frozen
+class LookupOption:
+    """The priced lookup proposal of one round.
+
+    Attributes:
+        draft_length: the TPT-optimal cut γ (0: not worth drafting).
+        tokens_per_second: predicted TPT at that cut.
+        plain_tokens_per_second: ``1 / t_step(n)``, the γ = 0 reference.
+        best_draft_tokens_per_second: the best predicted TPT of a cut with γ >= 1.
+        acceptance: ``(L,)`` the conditional acceptance used per position.
+        bucket: the acceptance bucket of the proposal.
+    """
+
+    draft_length: int
+    tokens_per_second: float
+    plain_tokens_per_second: float
+    best_draft_tokens_per_second: float
+    acceptance: FloatArray
+    bucket: int
+
+    @property
+    def mean_acceptance(self) -> float:
+        """Mean conditional acceptance over the drafted positions (for the plan record)."""
+        if self.draft_length == 0:
+            return float(self.acceptance[0]) if self.acceptance.size else 0.0
+        return float(self.acceptance[: self.draft_length].mean())
+
+
+class LookupPricing:
+    """Online acceptance + cost model -> the TPT-optimal cut of each lookup proposal.
+
+    Args:
+        config: the acceptance estimator's hyper-parameters.
+    """
+
+    def __init__(self, config: LookupAcceptanceConfig | None = None) -> None:
+        self.acceptance = LookupAcceptance(config)
+
+    def reset(self) -> None:
+        self.acceptance.reset()
+
+    def price(
+        self, context: PlanningContext, cost_model: CostModel, max_draft: int
+    ) -> LookupOption | None:
+        """Price this round's lookup proposal (None when there is none)."""
+        proposal = context.proposal(LOOKUP)
+        if proposal is None or not proposal.tokens or max_draft < 1:
+            return None
+        length = min(len(proposal.tokens), max_draft)
+        bucket = self.acceptance.bucket(proposal.match_length)
+        rates = self.acceptance.conditional(bucket, length)
+        n = context.context_length
+        verify = np.array(
+            [cost_model.step_cost(n)]
+            + [cost_model.verify_cost(k + 1, n) for k in range(1, length + 1)],
+            dtype=np.float64,
+        )
+        gamma, tpt = best_chained_length(rates, verify)
+        return LookupOption(
+            draft_length=gamma,
+            tokens_per_second=float(tpt[gamma]),
+            plain_tokens_per_second=float(tpt[0]),
+            best_draft_tokens_per_second=float(tpt[1:].max()),
+            acceptance=rates,
+            bucket=bucket,
+        )
+
+    def observe(self, outcome: StepOutcome) -> None:
+        """Learn from the round in hindsight (its lookup proposal vs committed tokens)."""
+        for draft in outcome.proposals:
+            if draft.drafter == LOOKUP:
+                self.acceptance.observe_round(
+                    draft.tokens, draft.match_length, outcome.committed_tokens
+                )
+                return
+        self.acceptance.observe_round((), 0, outcome.committed_tokens)
+
+
+@attrs.frozen
+class LookupPlannerConfig:
+    """Hyper-parameters of :class:`LookupPlanner`.
+
+    Attributes:
+        draft_length: k, the lookup tokens drafted whenever the suffix matches (>= 1).
+    """
+
+    draft_length: int = attrs.field(default=3, validator=attrs.validators.ge(1))
+
+
+@PLANNERS.register("lookup")
+class LookupPlanner(Planner):
+    """Fixed-length prompt lookup: up to ``k`` lookup tokens every round with a match, no
+    pricing (the baseline the knapsack planner's TPT cut is compared against)."""
+
+    config_class = LookupPlannerConfig
+    uses_window = False
+
+    def __init__(self, config: LookupPlannerConfig | None = None) -> None:
+        self.config = config if config is not None else LookupPlannerConfig()
+
+    def proposal_drafters(self) -> frozenset[str]:
+        return frozenset({LOOKUP})
+
+    def plan(self, context: PlanningContext) -> DraftPlan:
+        layers = context.engine.num_layers
+        proposal = context.proposal(LOOKUP)
+        if proposal is None or not proposal.tokens:
+            return DraftPlan.autoregressive(layers, source="lookup")
+        length = min(self.config.draft_length, len(proposal.tokens), context.max_draft_length)
+        return _lookup_plan(layers, length, "lookup")
+
+
+@functools.lru_cache(maxsize=256)
+def _lookup_plan(num_layers: int, draft_length: int, source: str) -> DraftPlan:
+    """A lookup plan (plans are immutable and shared, like the γ = 0 plan)."""
+    base = DraftPlan.autoregressive(num_layers, source=source)
+    return attrs.evolve(base, draft_length=draft_length, drafter=LOOKUP)
+
+
+def lookup_plan(
+    num_layers: int,
+    draft_length: int,
+    source: str,
+    predicted_acceptance: float | None = None,
+    predicted_tokens_per_second: float | None = None,
+) -> DraftPlan:
+    """A lookup plan of ``draft_length`` tokens with the planner's predictions."""
+    base = DraftPlan.autoregressive(num_layers, source=source)
+    return attrs.evolve(
+        base,
+        draft_length=draft_length,
+        drafter=LOOKUP,
+        predicted_acceptance=predicted_acceptance,
+        predicted_tokens_per_second=predicted_tokens_per_second,
+    )
+
+
+__all__ = [
+    "LookupOption",
+    "LookupPlanner",
+    "LookupPlannerConfig",
+    "LookupPricing",
+    "lookup_plan",
+]
