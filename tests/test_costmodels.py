@@ -278,6 +278,31 @@ def test_profile_of_another_model_is_refused_unless_forced() -> None:
     attrs.evolve(profile, key=ProfileKey.for_engine(engine)).check_compatible(engine)
 
 
+@pytest.mark.parametrize("profile_layers", [1, 3])
+def test_profile_of_another_shape_is_refused_even_when_forced(
+    tmp_path: Path, profile_layers: int
+) -> None:
+    """force waives machine and library fields only: fewer layers used to raise IndexError
+    while planning, more layers' rows were silently ignored."""
+    engine, other = tiny_engine(layers=2), tiny_engine(layers=profile_layers)
+    profile = attrs.evolve(
+        synthetic_profile(layers=profile_layers), key=ProfileKey.for_engine(other)
+    )
+    for force in (False, True):
+        with pytest.raises(ProfileMismatchError, match=r"another shape.*force cannot"):
+            profile.check_compatible(engine, force=force)
+    path = str(profile.save(tmp_path / "other-shape.json"))
+    linear_cls = COST_MODELS.get("linear")
+    with pytest.raises(ProfileMismatchError, match=r"3 layers|1 layers"):
+        linear_cls.from_config(linear_cls.config_class(profile=path, force=True), engine)
+    with pytest.raises(ProfileMismatchError, match="another shape"):
+        FittedLinearCostModel.from_file(path, engine, force=True)
+    # Same shape as the engine, but the rows of another layer count: refused too.
+    same_key = attrs.evolve(profile, key=ProfileKey.for_engine(engine))
+    with pytest.raises(ProfileMismatchError, match="another shape"):
+        same_key.check_compatible(engine, force=True)
+
+
 def test_profile_from_another_machine_names_the_differing_keys() -> None:
     engine = tiny_engine()
     key = attrs.evolve(ProfileKey.for_engine(engine), torch_threads=64, host_cpu="Other CPU")

@@ -194,6 +194,67 @@ def test_sampling_parameters_are_validated() -> None:
         SamplingParams(do_sample=True, top_k=-1)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"top_k": 2.5}, TypeError, "top_k"),
+        ({"top_k": "3"}, TypeError, "top_k"),
+        ({"temperature": "0.7"}, TypeError, "temperature"),
+        ({"top_p": None}, TypeError, "top_p"),
+        ({"do_sample": "yes"}, TypeError, "do_sample"),
+        ({"seed": 2**70}, ValueError, "seed"),
+        ({"seed": -1}, ValueError, "seed"),
+        ({"seed": 1.0}, TypeError, "seed"),
+    ],
+)
+def test_sampling_parameter_types_are_checked(
+    kwargs: dict[str, object], error: type[Exception], name: str
+) -> None:
+    with pytest.raises(error, match=name):
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_sampling_parameters_accept_any_integer_kind() -> None:
+    import numpy as np
+
+    params = SamplingParams(do_sample=True, temperature=1, top_k=np.int64(3), seed=np.uint64(2**63))
+    assert params == SamplingParams(do_sample=True, temperature=1.0, top_k=3, seed=2**63)
+    assert type(params.top_k) is int and type(params.temperature) is float
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-36, 1e-40, 1e-300, 5e-324])
+def test_tiny_temperature_samples_greedily(temperature: float) -> None:
+    """Below the documented floor the distribution is a point mass on the argmax (1e-40
+    used to overflow float32 into NaN probabilities and sample token vocab - 1)."""
+    logits = torch.randn(4, 49152, generator=torch.Generator().manual_seed(0)) * 8
+    probs = processed_probs(logits, SamplingParams(do_sample=True, temperature=temperature))
+    assert bool(torch.isfinite(probs).all())
+    expected = torch.nn.functional.one_hot(logits.argmax(-1), 49152).float()
+    assert torch.equal(probs, expected)
+
+
+def test_tiny_temperature_decodes_as_greedy() -> None:
+    model = _small_vocab_model()
+    decoder = SpeculativeDecoder(model, planner=StaticPlanner(BAD_DRAFT, 3), confidence_threshold=0)
+    greedy = decoder.generate(torch.tensor(PROMPT), max_new_tokens=12).tokens
+    params = SamplingParams(do_sample=True, temperature=1e-40, seed=1)
+    sampled = decoder.generate(torch.tensor(PROMPT), max_new_tokens=12, sampling=params).tokens
+    assert torch.equal(sampled, greedy)
+
+
+def test_unseeded_sampling_follows_torch_global_seed() -> None:
+    """As with ``model.generate``: ``torch.manual_seed(s)`` makes an unseeded call repeat."""
+    model = _small_vocab_model()
+    decoder = SpeculativeDecoder(model, planner=StaticPlanner(BAD_DRAFT, 3), confidence_threshold=0)
+    params = SamplingParams(do_sample=True, temperature=1.5)
+    runs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        runs.append(decoder.generate(torch.tensor(PROMPT), max_new_tokens=24, sampling=params))
+    assert torch.equal(runs[0].tokens, runs[1].tokens)
+    assert not torch.equal(runs[0].tokens, runs[2].tokens)
+
+
 def test_seeded_sampling_is_reproducible() -> None:
     model = _small_vocab_model()
     decoder = SpeculativeDecoder(model, planner=StaticPlanner(BAD_DRAFT, 3), confidence_threshold=0)

@@ -3,8 +3,12 @@
 Every subcommand reads a decoder config (``--config FILE``, TOML or JSON; the built-in
 defaults otherwise) and applies ``--set KEY=VALUE`` overrides in order. Exit codes: 0 on
 success, 2 for a usage or config error (as argparse does), 1 when the work itself fails.
-User errors are reported as one ``knapspec: error: ...`` line on stderr, never a traceback;
-anything else is a bug and propagates.
+User errors are reported as one ``knapspec: error: ...`` line on stderr (on a line of its
+own: open progress bars are closed first), never a traceback; anything else is a bug and
+propagates. Ctrl-C at any point prints ``knapspec: error: interrupted`` and exits 130.
+
+The module imports only the standard library at the top: torch, transformers and the
+library load inside :func:`main`, so that a Ctrl-C during those imports is caught too.
 """
 
 from __future__ import annotations
@@ -13,18 +17,19 @@ import argparse
 import importlib
 import json
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from knapspec.cli_common import load_decoder_config, positive_int
-from knapspec.config import ConfigError, DecoderConfig
-from knapspec.model.engine import ContextLengthError, UnsupportedModelError
-from knapspec.registry import UnknownComponentError
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from knapspec.config import DecoderConfig
+
 
 PROG = "knapspec"
 
@@ -231,17 +236,25 @@ def _load_model(name_or_path: str) -> tuple[PreTrainedModel, PreTrainedTokenizer
         load_model_and_tokenizer,
     )
 
-    if name_or_path.strip().lower() not in DEFAULT_ALIASES and not Path(name_or_path).is_dir():
-        raise UsageError(
-            f"--model {name_or_path!r}: no such directory; give 'default' or the path of a "
-            "local transformers model directory"
-        )
+    if name_or_path.strip().lower() not in DEFAULT_ALIASES:
+        if not Path(name_or_path).is_dir():
+            raise UsageError(
+                f"--model {name_or_path!r}: no such directory; give 'default' or the path of "
+                "a local transformers model directory"
+            )
+        if not (Path(name_or_path) / "config.json").is_file():
+            raise UsageError(
+                f"--model {name_or_path!r}: not a transformers model directory (it has no "
+                "config.json); give 'default' or a directory written by save_pretrained"
+            )
     try:
         return load_model_and_tokenizer(name_or_path, progress=True)
     except ProvisioningError as error:
         raise RunError(str(error)) from error
-    except OSError as error:  # a directory without loadable weights / tokenizer
-        raise RunError(f"cannot load model from {name_or_path!r}: {error}") from error
+    # A directory without loadable weights / tokenizer, or a config transformers rejects.
+    except (OSError, ValueError, KeyError) as error:
+        reason = " ".join(str(error).split())
+        raise RunError(f"cannot load model from {name_or_path!r}: {reason}") from error
 
 
 def _encode_prompt(
@@ -429,8 +442,13 @@ def _cmd_plan(args: argparse.Namespace, extra: Sequence[str]) -> int:
     model, tokenizer = _load_model(args.model)
     input_ids = _encode_prompt(tokenizer, prompt, args.chat)
     engine = SublayerEngine(model)
-    planner, cost_model, proxy = build_components(config, engine)
     n = int(input_ids.numel())
+    if n > engine.max_context:
+        raise UsageError(
+            f"the prompt has {n} tokens, more than the model's context of "
+            f"{engine.max_context} tokens; shorten the prompt"
+        )
+    planner, cost_model, proxy = build_components(config, engine)
     r = min(args.window_tokens or config.window_max_tokens, n)
     with torch.inference_mode():
         cache = engine.new_cache(n + config.max_draft_length + 1)
@@ -493,23 +511,39 @@ def _maybe(value: float | None, spec: str) -> str:
 
 def _cmd_profile(args: argparse.Namespace, extra: Sequence[str]) -> int:
     from knapspec.costmodels.profiler import profile_engine
+    from knapspec.costmodels.store import default_profile_path
     from knapspec.model.engine import SublayerEngine
 
     config = load_decoder_config(args.config, args.overrides)
+    if args.output is not None:
+        _check_writable(args.output, "--output")
     model, _ = _load_model(args.model)
     engine = SublayerEngine(model)
+    output = args.output if args.output is not None else default_profile_path(engine)
+    _check_writable(output, "the profile cache file")
     profile = profile_engine(
         engine, max_tokens=config.max_draft_length + 1, quick=args.quick, progress=True
     )
-    from knapspec.costmodels.store import default_profile_path
-
-    output = args.output if args.output is not None else default_profile_path(engine)
     try:
         written = profile.save(output)
     except OSError as error:
         raise RunError(f"cannot write {output}: {error}") from error
     print(f"wrote latency profile to {written}", file=sys.stderr)
     return 0
+
+
+def _check_writable(path: Path, what: str) -> None:
+    """Fail before a long measurement when ``path`` cannot be written (as ``save`` will:
+    a temporary file in its folder, then a rename)."""
+    if path.is_dir():
+        raise UsageError(f"{what} {str(path)!r} is a directory; give a file name")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise UsageError(f"{what} {str(path)!r}: cannot write there ({reason})") from None
 
 
 def _cmd_bench(args: argparse.Namespace, extra: Sequence[str]) -> int:
@@ -525,6 +559,14 @@ def _cmd_bench(args: argparse.Namespace, extra: Sequence[str]) -> int:
 # ----------------------------------------------------------------------------- main
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``knapspec`` command line; returns the process exit code."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # anywhere, the heavy imports included
+        _error("interrupted")
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
@@ -535,22 +577,51 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exit_:  # argparse: --help (0) or a usage error (2, already printed)
         return exit_.code if isinstance(exit_.code, int) else 2
+    usage_errors, run_errors = _error_classes()
     try:
         code: int = args.handler(args, extra)
         return code
-    except (UsageError, ConfigError, UnknownComponentError) as error:
+    except usage_errors as error:
         _error(str(error))
         return 2
-    except (RunError, UnsupportedModelError, ContextLengthError) as error:
+    except run_errors as error:
         _error(str(error))
         return 1
-    except KeyboardInterrupt:
-        _error("interrupted")
-        return 130
+
+
+def _error_classes() -> tuple[tuple[type[Exception], ...], tuple[type[Exception], ...]]:
+    """The exceptions reported as one line: usage errors (exit 2) and run errors (exit 1).
+
+    Imported here, not at the top, because they pull in torch (see the module docstring).
+    """
+    from knapspec.config import ConfigError
+    from knapspec.costmodels.profile import ProfileError
+    from knapspec.model.engine import ContextLengthError, UnsupportedModelError
+    from knapspec.registry import UnknownComponentError
+
+    usage: tuple[type[Exception], ...] = (UsageError, ConfigError, UnknownComponentError)
+    run: tuple[type[Exception], ...] = (
+        RunError,
+        UnsupportedModelError,
+        ContextLengthError,
+        ProfileError,
+    )
+    return usage, run
 
 
 def _error(message: str) -> None:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
+    """Print the one error line, on a line of its own even while a progress bar is shown."""
+    tqdm_module = sys.modules.get("tqdm")
+    bar_class = getattr(tqdm_module, "tqdm", None)
+    # A bar left open by the failure (generation's token bar) would be redrawn after the
+    # line, or have the line appended to it; closing it clears its line first.
+    for bar in list(getattr(bar_class, "_instances", ())):
+        bar.close()
+    line = f"{PROG}: error: {message}"
+    if bar_class is not None:
+        bar_class.write(line, file=sys.stderr)
+    else:
+        print(line, file=sys.stderr)
 
 
 if __name__ == "__main__":

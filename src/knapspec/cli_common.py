@@ -7,8 +7,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from knapspec.config import DecoderConfig, apply_overrides, load_config
+if TYPE_CHECKING:
+    from knapspec.config import DecoderConfig
 
 
 def positive_int(text: str) -> int:
@@ -29,6 +31,9 @@ def load_decoder_config(config_path: Path | None, overrides: Sequence[str]) -> D
         ConfigError: an unreadable or invalid file, or a bad override.
         UnknownComponentError: an unknown component name.
     """
+    # Imported here: the config pulls in torch, and the command imports this module first.
+    from knapspec.config import DecoderConfig, apply_overrides, load_config
+
     config = load_config(config_path) if config_path is not None else DecoderConfig()
     return apply_overrides(config, overrides) if overrides else config
 

@@ -3,9 +3,57 @@
 from __future__ import annotations
 
 import math
+import numbers
+from typing import Any
 
 import attrs
 import torch
+
+#: Temperatures below this are computed as this floor. At ``1e-30`` every logit gap a model
+#: produces becomes a score gap beyond float32's ``exp`` range, so the distribution is
+#: already a point mass on the most likely token (shared by exact ties): sampling is greedy.
+#: Dividing by a smaller temperature would overflow float32 (``1e-40`` gave NaN
+#: probabilities), so the floor changes no result, only avoids the overflow.
+TEMPERATURE_FLOOR = 1e-30
+
+#: ``torch.Generator.manual_seed`` takes seeds in ``[0, 2**64)``.
+MAX_SEED = 2**64 - 1
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, (bool, numbers.Integral)) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"do_sample must be true or false, got {value!r}")
+
+
+def _as_float(value: Any, name: str) -> float:
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+
+
+def _as_temperature(value: Any) -> float:
+    return _as_float(value, "temperature")
+
+
+def _as_top_p(value: Any) -> float:
+    return _as_float(value, "top_p")
+
+
+def _as_int(value: Any) -> int:
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    raise TypeError(f"top_k must be an integer, got {type(value).__name__} {value!r}")
+
+
+def _as_seed(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        if not 0 <= int(value) <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, 2**64 - 1], got {value}")
+        return int(value)
+    raise TypeError(f"seed must be an integer or None, got {type(value).__name__} {value!r}")
 
 
 def _positive_temperature(
@@ -32,17 +80,26 @@ class SamplingParams:
     Attributes:
         do_sample: False = greedy (exact token matching in verification); True = sampling
             with lossless speculative rejection sampling.
-        temperature: softmax temperature (> 0), used when sampling.
+        temperature: softmax temperature (> 0), used when sampling. Temperatures below
+            :data:`TEMPERATURE_FLOOR` (``1e-30``) sample greedily (all mass on the most
+            likely token).
         top_k: keep the k most likely tokens (0 = off).
         top_p: nucleus mass in (0, 1] (1 = off).
-        seed: seed of the decoder's ``torch.Generator`` (None = nondeterministic).
+        seed: seed of the decoder's ``torch.Generator``, in ``[0, 2**64)``. ``None`` draws
+            the generator's seed from torch's global RNG, so ``torch.manual_seed(s)`` makes
+            unseeded calls reproducible, as with ``model.generate``.
+
+    Integers of any kind (numpy scalars included) are accepted where a number is expected;
+    a wrong type raises ``TypeError`` naming the field.
     """
 
-    do_sample: bool = False
-    temperature: float = attrs.field(default=1.0, validator=_positive_temperature)
-    top_k: int = attrs.field(default=0, validator=_top_k_range)
-    top_p: float = attrs.field(default=1.0, validator=_top_p_range)
-    seed: int | None = None
+    do_sample: bool = attrs.field(default=False, converter=_as_bool)
+    temperature: float = attrs.field(
+        default=1.0, converter=_as_temperature, validator=_positive_temperature
+    )
+    top_k: int = attrs.field(default=0, converter=_as_int, validator=_top_k_range)
+    top_p: float = attrs.field(default=1.0, converter=_as_top_p, validator=_top_p_range)
+    seed: int | None = attrs.field(default=None, converter=_as_seed)
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -50,7 +107,7 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
     Top-p keeps, per row, the smallest set of most likely tokens whose mass reaches
     ``top_p`` (the most likely token always stays; tokens tied with the last kept one stay
-    too).
+    too). Temperatures below :data:`TEMPERATURE_FLOOR` are computed as the floor.
 
     Args:
         logits: ``(..., vocab)`` raw logits.
@@ -58,7 +115,7 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     Returns:
         ``(..., vocab)`` float32 probabilities; filtered tokens have probability exactly 0.
     """
-    scores = logits.float() / params.temperature
+    scores = logits.float() / max(params.temperature, TEMPERATURE_FLOOR)
     if params.top_k > 0 and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -116,4 +173,4 @@ def sample_token(probs: torch.Tensor, generator: torch.Generator | None = None) 
     return index
 
 
-__all__ = ["SamplingParams", "processed_probs", "sample_token"]
+__all__ = ["MAX_SEED", "TEMPERATURE_FLOOR", "SamplingParams", "processed_probs", "sample_token"]

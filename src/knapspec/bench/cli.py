@@ -102,6 +102,12 @@ def run_parser() -> argparse.ArgumentParser:
         "--overwrite", action="store_true", help="replace the results of an existing run directory"
     )
     parser.add_argument("--no-oracle", action="store_true", help="skip the oracle frontier")
+    parser.add_argument(
+        "--oracle-lookup-only",
+        action="store_true",
+        help="oracle: only the lookup family (seconds per length) and not the layer-skip mask "
+        "sweep (about a minute per length on 2 cores)",
+    )
     parser.add_argument("--no-vcurve", action="store_true", help="skip the v(k) measurements")
     parser.add_argument(
         "--profile",
@@ -181,6 +187,8 @@ def _options(args: argparse.Namespace, argv: Sequence[str] | None) -> BenchOptio
     if not args.no_oracle:
         oracle = QUICK_ORACLE if args.quick else OracleOptions()
         oracle = attrs.evolve(oracle, max_draft_length=base.max_draft_length)
+        if args.oracle_lookup_only:
+            oracle = attrs.evolve(oracle, families=(), lookup=True)
     name = args.run_name or ("quick" if args.quick else "full")
     return BenchOptions(
         scenarios=scenarios,

@@ -1,10 +1,18 @@
 """Benchmark methods: a name plus a decoder config, so that ablations are just more configs.
 
-Every method but ``generate`` is a :class:`~knapspec.decoding.decoder.SpeculativeDecoder`
+Every engine method is a :class:`~knapspec.decoding.decoder.SpeculativeDecoder`
 built from the run's base :class:`~knapspec.config.DecoderConfig` with the method's
 overrides merged in (:func:`method_config`). ``generate`` is ``model.generate`` called as
-users call it. ``ar`` (planner ``autoregressive``: plain decoding through our own engine)
-is the reference every other method is paired with.
+users call it; ``hf-prompt-lookup`` is ``model.generate(prompt_lookup_num_tokens=10)``,
+transformers' prompt lookup at its documented default length (its greedy output is checked
+against plain decoding like every greedy method's). ``ar`` (planner ``autoregressive``:
+plain decoding through our own engine) is the reference every other method is paired with.
+
+``lookup-k3`` / ``lookup-k10`` are the fixed-length prompt-lookup baseline on our engine
+(planner ``lookup``: k tokens whenever the context's suffix matches, else a plain step);
+``knapspec-no-lookup`` is the knapsack planner with the lookup family left out of its
+search. Methods whose components this installation lacks are left out of the menu
+(:func:`available`).
 
 The ``static`` baseline is a fixed mask and γ. It is found once per scenario, before any
 timed call, by the knapsack planner (with the γ = 0 fallback off, so that it speculates)
@@ -69,6 +77,8 @@ class MethodSpec:
         description: one line for the report.
         factory: builds the timed object (default: ``SpeculativeDecoder.from_config``);
             tests use it to inject a broken decoder.
+        generate_kwargs: extra keyword arguments of ``model.generate`` (``"generate"``
+            methods only), e.g. ``{"prompt_lookup_num_tokens": 10}``.
     """
 
     name: str
@@ -77,6 +87,7 @@ class MethodSpec:
     freeze_plan: bool = False
     description: str = ""
     factory: DecoderFactory = attrs.field(default=_default_factory, eq=False, repr=False)
+    generate_kwargs: Mapping[str, Any] = attrs.field(factory=dict, eq=False)
 
 
 def method_config(base: DecoderConfig, overrides: Mapping[str, Any]) -> DecoderConfig:
@@ -124,8 +135,56 @@ def freeze_first_plan(decoder: SpeculativeDecoder, result: GenerationResult) -> 
     )
 
 
+HF_PROMPT_LOOKUP = "hf-prompt-lookup"
+#: transformers' default ``prompt_lookup_num_tokens`` in its docs and examples.
+HF_PROMPT_LOOKUP_TOKENS = 10
+
+
+def available(method: MethodSpec) -> bool:
+    """Whether this installation can build ``method`` (its config overrides are valid)."""
+    if method.kind != "engine":
+        return True
+    try:
+        method_config(DecoderConfig(), method.config)
+    except (ValueError, KeyError, TypeError):  # ConfigError, UnknownComponentError
+        return False
+    return True
+
+
+def lookup_methods() -> tuple[MethodSpec, ...]:
+    """The prompt-lookup baselines (those this installation can build)."""
+    methods = (
+        MethodSpec(
+            "lookup-k3",
+            {"planner": {"name": "lookup", "draft_length": 3}},
+            description="fixed-length prompt lookup on our engine, k = 3",
+        ),
+        MethodSpec(
+            "lookup-k10",
+            {"planner": {"name": "lookup", "draft_length": 10}},
+            description="fixed-length prompt lookup on our engine, k = 10",
+        ),
+        MethodSpec(
+            HF_PROMPT_LOOKUP,
+            kind="generate",
+            generate_kwargs={"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS},
+            description=(
+                f"model.generate(prompt_lookup_num_tokens={HF_PROMPT_LOOKUP_TOKENS}): "
+                "transformers' prompt lookup at its default length"
+            ),
+        ),
+        MethodSpec(
+            "knapspec-no-lookup",
+            {"planner": {"name": "knapsack", "drafters": ["subnetwork"]}},
+            description="KnapSpec with the lookup family left out of its search",
+        ),
+    )
+    return tuple(method for method in methods if available(method))
+
+
 def default_methods() -> tuple[MethodSpec, ...]:
-    """``model.generate``, AR through our engine, the baselines and KnapSpec."""
+    """``model.generate``, AR through our engine, the baselines, KnapSpec and the
+    prompt-lookup baselines."""
     return (
         MethodSpec(GENERATE, kind="generate", description="model.generate, default settings"),
         MethodSpec(
@@ -149,6 +208,7 @@ def default_methods() -> tuple[MethodSpec, ...]:
         MethodSpec("clasp", {"planner": {"name": "clasp"}}, description="CLaSp layer-skip DP"),
         MethodSpec("del", {"planner": {"name": "del"}}, description="DEL dynamic early exit"),
         MethodSpec("knapspec", {"planner": {"name": "knapsack"}}, description="KnapSpec, defaults"),
+        *lookup_methods(),
     )
 
 
@@ -247,14 +307,18 @@ def select_methods(
 
 __all__ = [
     "GENERATE",
+    "HF_PROMPT_LOOKUP",
+    "HF_PROMPT_LOOKUP_TOKENS",
     "REFERENCE",
     "DecoderFactory",
     "MethodKind",
     "MethodSpec",
     "SupportsGenerate",
     "ablation_methods",
+    "available",
     "default_methods",
     "freeze_first_plan",
+    "lookup_methods",
     "method_config",
     "select_methods",
 ]

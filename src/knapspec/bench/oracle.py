@@ -20,14 +20,24 @@ itself:
    repeats: one draft step per candidate mask and one full step over ``k = 1 .. D + 1``
    tokens.
 4. ``TPT(S, γ) = E_S(γ) / (γ·t_draft(S) + t_verify(γ + 1))`` for every candidate and γ;
-   the frontier is the best TPT over plain decoding's ``1 / t_verify(1)`` — 1.0 when nothing
-   beats it (then the limit *is* plain decoding).
+   the layer-skip frontier is the best TPT over plain decoding's ``1 / t_verify(1)``.
+5. **The lookup family** (:func:`lookup_replay`): the best fixed prompt-lookup length k in
+   hindsight. The AR continuation is replayed through the lookup drafter the ``lookup-k``
+   methods use, round by round as the decoder would run it with a fixed k (draft up to k
+   tokens, accept the prefix equal to the continuation, commit it plus the bonus token),
+   and each round is priced with the same measured ``t_verify(d + 1)`` of its d drafted
+   tokens, plus the replay's measured lookup time. Not timed end to end: the measured
+   ``lookup-k3`` / ``lookup-k10`` rows are the check on this pricing.
+
+The oracle is the best of both families — 1.0 when nothing beats plain decoding (then the
+limit *is* plain decoding).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
@@ -66,6 +76,8 @@ class OracleOptions:
             ``agreement``, top-1 agreement with the next continuation token).
         max_tokens: continuation tokens used for acceptance (None: all).
         repeats: timed repeats per latency measurement (median).
+        lookup: also sweep the fixed-length lookup family (k = 1 .. D), where the
+            installation has a lookup drafter.
     """
 
     max_draft_length: int = attrs.field(default=10, validator=attrs.validators.ge(1))
@@ -80,6 +92,7 @@ class OracleOptions:
     calibration_tokens: int = attrs.field(default=4, validator=attrs.validators.ge(1))
     max_tokens: int | None = None
     repeats: int = attrs.field(default=5, validator=attrs.validators.ge(1))
+    lookup: bool = True
 
 
 @attrs.frozen
@@ -99,20 +112,137 @@ class OracleCandidate:
         return len(self.skipped_items)
 
 
+class Proposal(Protocol):
+    """What a lookup drafter proposes: the draft's token ids."""
+
+    @property
+    def tokens(self) -> Sequence[int]: ...
+
+
+class LookupProposer(Protocol):
+    """The prompt-lookup drafter's interface the replay needs
+    (:class:`knapspec.drafters.lookup.LookupDrafter` has it)."""
+
+    def reset(self, tokens: list[int]) -> None: ...
+
+    def extend(self, tokens: list[int]) -> None: ...
+
+    def propose(self, max_tokens: int) -> Proposal: ...
+
+
+@attrs.frozen
+class LookupCandidate:
+    """Fixed-length prompt lookup with k tokens, replayed on the AR continuation.
+
+    Attributes:
+        draft_length: k.
+        rounds: verify rounds of the replay; drafted, accepted: draft tokens in total.
+        lookup_seconds: measured time of the replay's proposals and index updates.
+        speedup: plain decoding's time for the same tokens over the replay's priced time.
+    """
+
+    draft_length: int
+    rounds: int
+    drafted: int
+    accepted: int
+    lookup_seconds: float
+    speedup: float
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+def lookup_replay(
+    proposer: LookupProposer,
+    prompt: Sequence[int],
+    continuation: Sequence[int],
+    draft_length: int,
+) -> tuple[list[tuple[int, int]], float]:
+    """Rounds of fixed-length lookup decoding that reproduce ``continuation``.
+
+    The first continuation token comes from prefill (as in the decoder); every round then
+    drafts up to ``draft_length`` tokens (never past the last token), accepts the prefix
+    equal to the continuation and commits it plus the bonus token.
+
+    Returns:
+        ``([(drafted, accepted) per round], seconds spent in the proposer)``.
+    """
+    started = time.perf_counter()
+    proposer.reset([*prompt, continuation[0]])
+    rounds: list[tuple[int, int]] = []
+    position, total = 1, len(continuation)
+    while position < total:
+        limit = min(draft_length, total - position - 1)
+        draft = list(proposer.propose(limit).tokens)[:limit] if limit > 0 else []
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == continuation[position + accepted]:
+            accepted += 1
+        committed = list(continuation[position : position + accepted + 1])
+        proposer.extend(committed)
+        rounds.append((len(draft), accepted))
+        position += len(committed)
+    return rounds, time.perf_counter() - started
+
+
+def lookup_candidates(
+    proposer_factory: Callable[[], LookupProposer],
+    prompt: Sequence[int],
+    continuation: Sequence[int],
+    verify_seconds: Sequence[float],
+) -> list[LookupCandidate]:
+    """One :class:`LookupCandidate` per k = 1 .. len(verify_seconds) - 1.
+
+    Args:
+        verify_seconds: measured full-model step over ``1 .. D + 1`` tokens; a round that
+            drafted d tokens costs ``verify_seconds[d]``.
+    """
+    plain = (len(continuation) - 1) * verify_seconds[0]
+    result = []
+    for k in range(1, len(verify_seconds)):
+        rounds, seconds = lookup_replay(proposer_factory(), prompt, continuation, k)
+        priced = sum(verify_seconds[drafted] for drafted, _ in rounds) + seconds
+        result.append(
+            LookupCandidate(
+                draft_length=k,
+                rounds=len(rounds),
+                drafted=sum(d for d, _ in rounds),
+                accepted=sum(a for _, a in rounds),
+                lookup_seconds=seconds,
+                speedup=plain / priced if priced > 0 else 1.0,
+            )
+        )
+    return result
+
+
 @attrs.frozen
 class OracleResult:
-    """The frontier at one prompt: every candidate and the best (mask, γ)."""
+    """The frontier at one prompt: every candidate and the best (mask, γ), and the
+    fixed-length lookup family with its best k."""
 
     context_length: int
     measured_tokens: int
     verify_seconds: tuple[float, ...]  # full step over k = 1 .. D + 1 tokens
     candidates: tuple[OracleCandidate, ...]
     best: OracleCandidate | None  # None: no (mask, γ ≥ 1) beats plain decoding
+    lookup: tuple[LookupCandidate, ...] = ()
+    best_lookup: LookupCandidate | None = None  # None: no k beats plain decoding (or none run)
+
+    @property
+    def subnetwork_speedup(self) -> float:
+        """Best layer-skip (mask, γ) over plain decoding (>= 1)."""
+        return max(1.0, self.best.speedup) if self.best is not None else 1.0
+
+    @property
+    def lookup_speedup(self) -> float:
+        """Best fixed lookup k over plain decoding (>= 1)."""
+        return max(1.0, self.best_lookup.speedup) if self.best_lookup is not None else 1.0
 
     @property
     def speedup(self) -> float:
-        """Best achievable speedup over plain decoding (>= 1: γ = 0 is always available)."""
-        return max(1.0, self.best.speedup) if self.best is not None else 1.0
+        """Best achievable speedup over plain decoding of either family (>= 1: γ = 0 is
+        always available)."""
+        return max(self.subnetwork_speedup, self.lookup_speedup)
 
     @property
     def verify_ratio(self) -> tuple[float, ...]:
@@ -122,6 +252,8 @@ class OracleResult:
     def to_dict(self) -> dict[str, Any]:
         data = attrs.asdict(self)
         data["speedup"] = self.speedup
+        data["subnetwork_speedup"] = self.subnetwork_speedup
+        data["lookup_speedup"] = self.lookup_speedup
         data["verify_ratio"] = list(self.verify_ratio)
         return data
 
@@ -277,11 +409,14 @@ def oracle_frontier(
     prompt: torch.Tensor,
     continuation: torch.Tensor,
     options: OracleOptions,
+    lookup: Callable[[], LookupProposer] | None = None,
 ) -> OracleResult:
-    """Sweep mask families × γ on one prompt's AR continuation (module docstring).
+    """Sweep mask families × γ on one prompt's AR continuation, and fixed lookup lengths k
+    (module docstring).
 
     Args:
         prompt: ``(n,)`` prompt ids; continuation: ``(T,)`` the AR output after it (T >= 2).
+        lookup: builds a fresh lookup drafter for the lookup family (None: not swept).
     """
     if options.max_tokens is not None:
         continuation = continuation[: options.max_tokens]
@@ -348,24 +483,36 @@ def oracle_frontier(
             )
         )
     best = max(candidates, key=lambda c: c.speedup, default=None)
+    looked_up = (
+        lookup_candidates(lookup, prompt.tolist(), continuation.tolist(), verify)
+        if lookup is not None
+        else []
+    )
+    best_lookup = max(looked_up, key=lambda c: c.speedup, default=None)
     return OracleResult(
         context_length=n,
         measured_tokens=int(continuation.numel()),
         verify_seconds=tuple(verify),
         candidates=tuple(candidates),
         best=best if best is not None and best.speedup > 1.0 else None,
+        lookup=tuple(looked_up),
+        best_lookup=best_lookup if best_lookup is not None and best_lookup.speedup > 1.0 else None,
     )
 
 
 __all__ = [
     "ALL_FAMILIES",
     "FAMILIES",
+    "LookupCandidate",
+    "LookupProposer",
     "OracleCandidate",
     "OracleOptions",
     "OracleResult",
     "expected_tokens_from_runs",
     "grow_by_agreement",
     "grow_by_cosine",
+    "lookup_candidates",
+    "lookup_replay",
     "oracle_frontier",
     "teacher_forced_agreement",
 ]

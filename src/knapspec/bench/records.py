@@ -55,6 +55,9 @@ class RunRecord:
         reference_tokens_per_second: mean tokens/s of the AR calls just before and after
             this call (the pair's reference); speedup_vs_ar: the ratio of the two.
         lossless: greedy output equal to AR's (None for sampled scenarios).
+        lookup_seconds: time spent proposing prompt-lookup drafts (planning overhead).
+        drafters: per drafter (``"subnetwork"``, ``"lookup"``, ``"none"`` for plain
+            steps) its ``rounds``, ``drafted`` and ``accepted`` tokens.
         sampling: the sampling parameters; seed: the call's sampling seed.
     """
 
@@ -85,6 +88,8 @@ class RunRecord:
     reference_tokens_per_second: float | None = None
     speedup_vs_ar: float | None = None
     lossless: bool | None = None
+    lookup_seconds: float = 0.0
+    drafters: dict[str, dict[str, int]] = attrs.field(factory=dict)
 
     def to_json(self, extra: dict[str, Any]) -> str:
         """One JSON line; ``extra`` (run name, environment) is merged in."""

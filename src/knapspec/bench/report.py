@@ -24,6 +24,12 @@ from typing import Any
 
 import attrs
 
+from knapspec.bench.drafter_report import (
+    ORACLE_SHARE_THRESHOLD,
+    drafter_table,
+    lookup_oracle_table,
+    machine_caption,
+)
 from knapspec.bench.methods import GENERATE, REFERENCE
 from knapspec.bench.records import FAILED_RAW, ORACLE, RAW, RUN_INFO, SETUP, VCURVE, read_jsonl
 
@@ -187,7 +193,9 @@ def summarise(data: RunData) -> list[MethodRow]:
                     draft_share=_share(mine, "draft_seconds"),
                     verify_share=_share(mine, "verify_seconds"),
                     fraction_of_oracle=(
-                        vs_ar.median / oracle if vs_ar is not None and oracle else None
+                        vs_ar.median / oracle
+                        if vs_ar is not None and oracle and oracle > ORACLE_SHARE_THRESHOLD
+                        else None
                     ),
                 )
             )
@@ -252,9 +260,8 @@ def oracle_table(data: RunData) -> str:
         best = line.get("best")
         label = f"{line['context']} ({line['context_length']})"
         if best is None:
-            rows.append(
-                [line["scenario"], label, f"{line['speedup']:.2f}", "plain decoding", "0", "–"]
-            )
+            plain = "plain decoding" if line.get("candidates", [None]) else "not swept"
+            rows.append([line["scenario"], label, f"{line['speedup']:.2f}", plain, "0", "–"])
         else:
             rows.append(
                 [
@@ -543,6 +550,8 @@ def render(data: RunData, image_prefix: str = "") -> str:
         "",
         method_table(rows),
         "",
+        machine_caption(data),
+        "",
         f"![speedup vs context]({image_prefix}{SPEEDUP_PLOT})",
         "",
     ]
@@ -555,6 +564,37 @@ def render(data: RunData, image_prefix: str = "") -> str:
             "(`knapspec.bench.oracle`). 1.00 means nothing beats plain decoding.",
             "",
             oracle_table(data),
+            "",
+            machine_caption(data),
+            "",
+        ]
+        if any(line.get("lookup") for line in data.oracle):
+            parts += [
+                "## Oracle: layer skip vs prompt lookup",
+                "",
+                "The lookup family: the first prompt's AR continuation replayed through the "
+                "lookup drafter with a fixed k (k = 1 .. D), each round priced with the measured "
+                "t_verify(drafted + 1) plus the replay's measured lookup time "
+                "(`knapspec.bench.oracle.lookup_replay`). `knapspec of oracle` is its median "
+                f"speedup over the best of both families, where that exceeds "
+                f"{ORACLE_SHARE_THRESHOLD}x.",
+                "",
+                lookup_oracle_table(data),
+                "",
+                machine_caption(data),
+                "",
+            ]
+    if any(row.get("drafters") for row in data.raw):
+        parts += [
+            "## Who drafted: per-drafter counts and overhead",
+            "",
+            "Rounds, drafted and accepted tokens per drafter (`none`: plain steps, γ = 0), "
+            "summed over every call; overhead is planning time, proposing lookup drafts "
+            "included, over wall time.",
+            "",
+            drafter_table(data),
+            "",
+            machine_caption(data),
             "",
         ]
     if (data.run_dir / MASKS_PLOT).exists():
@@ -571,6 +611,8 @@ def render(data: RunData, image_prefix: str = "") -> str:
             "speed.",
             "",
             vcurve_table(data),
+            "",
+            machine_caption(data),
             "",
             f"![v(k)]({image_prefix}{VK_PLOT})",
             "",

@@ -19,11 +19,12 @@ Protocol (``shared/bench-protocol.md``), per scenario, prompt length and prompt:
 
 from __future__ import annotations
 
+import importlib
 import json
 import shlex
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from knapspec.bench.methods import (
     freeze_first_plan,
     method_config,
 )
-from knapspec.bench.oracle import OracleOptions, oracle_frontier
+from knapspec.bench.oracle import LookupProposer, OracleOptions, oracle_frontier
 from knapspec.bench.records import (
     FAILED_RAW,
     ORACLE,
@@ -131,6 +132,17 @@ def _eos_ids(model: Any) -> list[int] | None:
     return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
 
 
+def lookup_drafter_factory() -> Callable[[], LookupProposer] | None:
+    """Builds the prompt-lookup drafter the ``lookup`` planner uses, for the oracle's lookup
+    family (None where this installation has no lookup drafter)."""
+    try:
+        module = importlib.import_module("knapspec.drafters.lookup")
+    except ImportError:
+        return None
+    factory: Callable[[], LookupProposer] = module.LookupDrafter
+    return factory
+
+
 def _plain(value: Any) -> Any:
     return attrs.asdict(value) if attrs.has(type(value)) else value
 
@@ -183,6 +195,7 @@ class Harness:
                     "name": m.name,
                     "kind": m.kind,
                     "description": m.description,
+                    "generate_kwargs": dict(m.generate_kwargs) or None,
                     "freeze_plan": m.freeze_plan,
                     "config": (
                         method_config(options.base_config, m.config).to_dict()
@@ -260,7 +273,7 @@ class Harness:
     ) -> _Call:
         ids = prompt.input_ids
         if method.kind == "generate":
-            return self._call_generate(ids, new_tokens, sampling)
+            return self._call_generate(ids, new_tokens, sampling, method.generate_kwargs)
         decoder = self.decoders[method.name]
         result = decoder.generate(
             ids, max_new_tokens=new_tokens, eos_token_id=self._stop_ids(sampling), sampling=sampling
@@ -283,6 +296,10 @@ class Harness:
                 draft_seconds=stats.draft_time_s,
                 verify_seconds=stats.verify_time_s,
                 plans=[_plain(plan) for plan in stats.plans],
+                lookup_seconds=float(getattr(stats, "lookup_time_s", 0.0)),
+                drafters={
+                    name: _plain(counts) for name, counts in getattr(stats, "drafters", {}).items()
+                },
             ),
         )
 
@@ -293,11 +310,19 @@ class Harness:
         return None if sampling.do_sample else self.eos
 
     @torch.inference_mode()
-    def _call_generate(self, ids: torch.Tensor, new_tokens: int, sampling: SamplingParams) -> _Call:
+    def _call_generate(
+        self,
+        ids: torch.Tensor,
+        new_tokens: int,
+        sampling: SamplingParams,
+        extra: Mapping[str, Any] | None = None,
+    ) -> _Call:
         """``model.generate`` as users call it: greedy (or the scenario's sampling, then
-        exactly ``new_tokens`` tokens, like every other method: see :meth:`_stop_ids`)."""
+        exactly ``new_tokens`` tokens, like every other method: see :meth:`_stop_ids`),
+        with the method's ``extra`` keyword arguments (e.g. prompt lookup)."""
         batch = ids.unsqueeze(0).to(self.engine.device)
         kwargs: dict[str, Any] = {
+            **(extra or {}),
             "attention_mask": torch.ones_like(batch),
             "max_new_tokens": new_tokens,
             "do_sample": sampling.do_sample,
@@ -520,7 +545,13 @@ class Harness:
         if options.oracle is not None and continuation.numel() >= 2:
             bar.set_description(f"{scenario.name} N={context} oracle")
             start = time.perf_counter()
-            result = oracle_frontier(self.engine, prompt.input_ids, continuation, options.oracle)
+            result = oracle_frontier(
+                self.engine,
+                prompt.input_ids,
+                continuation,
+                options.oracle,
+                lookup=lookup_drafter_factory() if options.oracle.lookup else None,
+            )
             line = {
                 **base,
                 "prompt_id": prompt.prompt_id,
@@ -581,4 +612,4 @@ def command_line(argv: Sequence[str] | None) -> str:
     return shlex.join(["knapspec", "bench", *args])
 
 
-__all__ = ["BenchOptions", "Harness", "command_line", "run_benchmark"]
+__all__ = ["BenchOptions", "Harness", "command_line", "lookup_drafter_factory", "run_benchmark"]

@@ -1,6 +1,7 @@
 """Benchmark scenarios (bench-protocol.md): what is asked of the model, at which lengths.
 
-A :class:`Scenario` is a prompt family (summarise, copy, long generation), the prompt
+A :class:`Scenario` is a prompt family (summarise, copy, quote a document to answer a
+question, edit a passage, long generation), the prompt
 lengths it is run at, the number of new tokens and the sampling parameters. Prompts are
 built from real text by :mod:`knapspec.bench.prompts`, deterministically from a seed, so
 every method sees exactly the same token ids.
@@ -14,10 +15,17 @@ from typing import Any, Literal
 import attrs
 import torch
 
-from knapspec.bench.prompts import copy_prompt, long_generation_prompt, long_input_prompt
+from knapspec.bench.prompts import (
+    copy_prompt,
+    edit_prompt,
+    long_generation_prompt,
+    long_input_prompt,
+    quote_prompt,
+)
 from knapspec.sampling import SamplingParams
 
-PromptKind = Literal["summarise", "copy", "long-generation"]
+PromptKind = Literal["summarise", "copy", "quote", "edit", "long-generation"]
+PROMPT_KINDS: tuple[str, ...] = ("summarise", "copy", "quote", "edit", "long-generation")
 
 #: Seeds of benchmark prompts start here; the warm-up / set-up prompt uses another range so
 #: that a plan frozen on it (the static baseline) was not fitted to the measured prompts.
@@ -74,9 +82,7 @@ class Scenario:
     """
 
     name: str
-    kind: PromptKind = attrs.field(
-        validator=attrs.validators.in_(("summarise", "copy", "long-generation"))
-    )
+    kind: PromptKind = attrs.field(validator=attrs.validators.in_(PROMPT_KINDS))
     contexts: tuple[int, ...] = attrs.field(converter=_int_tuple, validator=_positive_ints)
     new_tokens: int = attrs.field(validator=attrs.validators.ge(1))
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
@@ -108,6 +114,8 @@ class Scenario:
         builders: dict[str, Callable[[], torch.Tensor]] = {
             "summarise": lambda: long_input_prompt(tokenizer, context, seed=seed),
             "copy": lambda: copy_prompt(tokenizer, context, seed=seed),
+            "quote": lambda: quote_prompt(tokenizer, context, seed=seed),
+            "edit": lambda: edit_prompt(tokenizer, context, seed=seed),
             "long-generation": lambda: long_generation_prompt(tokenizer, seed=seed),
         }
         return builders[self.kind]()
@@ -122,6 +130,8 @@ def default_scenarios(*, quick: bool = False) -> tuple[Scenario, ...]:
         return (
             Scenario("long-input", "summarise", (128, 256), 16, description="summarise N tokens"),
             Scenario("copy-heavy", "copy", (256,), 16, description="copy a passage verbatim"),
+            Scenario("qa-quote", "quote", (256,), 16, description="answer by quoting"),
+            Scenario("edit", "edit", (256,), 16, description="rewrite with one change"),
             Scenario("long-generation", "long-generation", (0,), 32, description="short prompt"),
             Scenario("sampling", "summarise", (128,), 16, SAMPLING, "T = 0.7, top-p 0.9"),
         )
@@ -139,6 +149,23 @@ def default_scenarios(*, quick: bool = False) -> tuple[Scenario, ...]:
             (2048, 4096),
             128,
             description="copy an N/2-token passage a second time, verbatim, 128 new tokens, greedy",
+        ),
+        Scenario(
+            "qa-quote",
+            "quote",
+            (2048,),
+            128,
+            description="a question about an N-token passage answered by quoting it (the "
+            "assistant's turn opened with the quote's first words), 128 new tokens, greedy",
+        ),
+        Scenario(
+            "edit",
+            "edit",
+            (2048,),
+            128,
+            description="rewrite N tokens of Python's documentation replacing one word, "
+            "otherwise unchanged (opened with the edited text's first words), 128 new tokens, "
+            "greedy",
         ),
         Scenario(
             "long-generation",
@@ -176,6 +203,7 @@ def select_scenarios(
 
 
 __all__ = [
+    "PROMPT_KINDS",
     "SAMPLING",
     "BenchPrompt",
     "PromptKind",

@@ -29,6 +29,10 @@ def load_config(path: str | Path) -> DecoderConfig:
         raise ConfigError(f"{path}: config file not found") from None
     except OSError as error:
         raise ConfigError(f"{path}: cannot read config file ({error.strerror})") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"{path}: not a UTF-8 text file (byte {error.start}: {error.reason})"
+        ) from None
     try:
         data = tomllib.loads(text) if suffix == ".toml" else json.loads(text)
     except tomllib.TOMLDecodeError as error:

@@ -42,10 +42,18 @@ def parse_override(override: str) -> tuple[list[str], Any]:
     return parts, value
 
 
+def _override_order(parts: list[str]) -> int:
+    """Sort key of an override's dotted key: the dotted-path switch, names, the rest."""
+    if parts == ["allow_dotted_paths"]:
+        return 0
+    return 1 if len(parts) == 2 and parts[1] == "name" else 2
+
+
 def apply_overrides(config: DecoderConfig, overrides: Sequence[str]) -> DecoderConfig:
     """A copy of ``config`` with ``--set``-style ``KEY=VALUE`` overrides applied.
 
-    Component name changes (``planner.name=static``) are applied first and reset that
+    ``allow_dotted_paths`` is applied first (so that a dotted component name given with
+    it is legal), then component name changes (``planner.name=static``), which reset that
     component's params to its defaults; the remaining overrides then apply in order, so
     ``["planner.draft_length=3", "planner.name=static"]`` sets static's draft length.
 
@@ -55,7 +63,7 @@ def apply_overrides(config: DecoderConfig, overrides: Sequence[str]) -> DecoderC
         UnknownComponentError: an unknown component name.
     """
     parsed = [(override, *parse_override(override)) for override in overrides]
-    names_first = sorted(parsed, key=lambda item: not (len(item[1]) == 2 and item[1][1] == "name"))
+    names_first = sorted(parsed, key=lambda item: _override_order(item[1]))
     data = config.to_dict()
     for override, parts, value in names_first:
         candidate = _set_key(data, parts, value, override)

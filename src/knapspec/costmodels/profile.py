@@ -108,6 +108,12 @@ def model_fingerprint(engine: SublayerEngine) -> str:
     )
 
 
+def model_shape(fingerprint: str) -> str:
+    """The shape part of a :func:`model_fingerprint` (type, dimensions, parameter count):
+    everything but the trailing weight hash."""
+    return fingerprint.rsplit("-", 1)[0]
+
+
 @attrs.frozen
 class ProfileKey:
     """Where a profile's timings are valid. Every field but the model name must match."""
@@ -282,15 +288,25 @@ class LatencyProfile:
     def check_compatible(self, engine: SublayerEngine, *, force: bool = False) -> None:
         """Refuse this profile for ``engine`` on this machine unless every key field matches.
 
+        ``force`` waives the machine and library fields (and the weights' hash: a
+        fine-tune of the same shape times the same), never the model's shape: timings of
+        another layer count or width cannot be indexed by this model's layers.
+
         Raises:
             ProfileMismatchError: names the differing fields and how to re-profile or force.
         """
+        shape = model_shape(model_fingerprint(engine))
+        if self.num_layers != engine.num_layers or model_shape(self.key.model_fingerprint) != shape:
+            raise ProfileMismatchError(
+                f"latency profile was measured for a model of another shape (the profile: "
+                f"{self.num_layers} layers, {model_shape(self.key.model_fingerprint)!r}; this "
+                f"model: {engine.num_layers} layers, {shape!r}). force cannot waive the model's "
+                "shape: re-profile with `knapspec profile`."
+            )
         if force:
             return
         current = ProfileKey.for_engine(engine)
         differences = current.differences(self.key)
-        if self.num_layers != engine.num_layers:
-            differences.setdefault("num_layers", (engine.num_layers, self.num_layers))
         if not differences:
             return
         lines = "; ".join(
@@ -397,4 +413,5 @@ __all__ = [
     "device_description",
     "host_cpu_model",
     "model_fingerprint",
+    "model_shape",
 ]

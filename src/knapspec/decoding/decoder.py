@@ -13,9 +13,11 @@ output token for token; sampled output is distributed exactly as the target's.
 
 from __future__ import annotations
 
+import numbers
 import os
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -55,6 +57,10 @@ class GenerationResult:
     stats: GenerationStats
 
 
+#: ``(input_ids (1, t), scores (1, vocab)) -> scores``: a transformers ``LogitsProcessorList``
+#: or any callable of that shape.
+LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
 #: Prompt tokens whose hidden states seed the reference window after prefill, so the first
 #: plan can be made right away instead of after several full-model rounds.
 PREFILL_WINDOW_TOKENS = 8
@@ -88,6 +94,11 @@ class SpeculativeDecoder:
 
     Attributes:
         config: the effective configuration (``config`` with the keyword overrides).
+
+    Thread safety: a decoder holds one KV cache and one reference window, so calls to
+    :meth:`generate` on the same decoder are serialised by a lock (a second thread waits
+    for the first call to finish). To serve several requests at once, build one decoder
+    per thread (they may share the model: ``SpeculativeDecoder(model)`` copies no weights).
 
     Raises:
         ValueError: a setting out of range (the message names it).
@@ -132,6 +143,8 @@ class SpeculativeDecoder:
         self._subnetwork = SubnetworkDrafter()
         #: Drafters that propose before planning, offered to planners that ask for them.
         self.drafters: list[Drafter] = [LookupDrafter()]
+        # generate() uses the cache and window above: one call at a time.
+        self._lock = threading.Lock()
 
     @classmethod
     def from_config(
@@ -152,37 +165,80 @@ class SpeculativeDecoder:
         *,
         max_new_tokens: int = 128,
         eos_token_id: int | Sequence[int] | None = None,
-        sampling: SamplingParams | None = None,
+        sampling: SamplingParams | Mapping[str, Any] | None = None,
         streamer: BaseStreamer | None = None,
+        logits_processor: LogitsProcessor | None = None,
     ) -> GenerationResult:
         """Generate up to ``max_new_tokens`` tokens after ``input_ids``.
 
         Args:
             input_ids: ``(n,)`` or ``(1, n)`` prompt token ids (batch size 1).
-            eos_token_id: token id(s) that end generation (included in the output).
-            sampling: overrides the decoder's sampling parameters for this call.
+            max_new_tokens: an integer >= 1 (numpy integers too).
+            eos_token_id: token id(s) that end generation (included in the output): an
+                integer (numpy integers too), a sequence of them or a tensor.
+            sampling: overrides the decoder's sampling parameters for this call: a
+                :class:`SamplingParams` or its fields as a dict
+                (``{"do_sample": True, "temperature": 0.7}``).
             streamer: a transformers ``BaseStreamer``; receives the prompt, then every
                 committed token in order, then ``end()``.
+            logits_processor: applied to the draft's and the target's logits alike before
+                argmax / sampling (a transformers ``LogitsProcessorList``, e.g. a
+                repetition penalty). At each position it sees the prompt, the committed
+                tokens and the drafts before that position, so greedy output stays the
+                target's processed greedy output and sampling stays lossless. None (the
+                default) costs nothing.
+
+        Thread safety: calls on one decoder run one at a time (see the class docstring).
 
         Raises:
+            TypeError: an argument of the wrong type (the message names it).
             ValueError: batch > 1, empty prompt, ``max_new_tokens < 1``.
             ContextLengthError: prompt + ``max_new_tokens`` exceeds the model's context.
             NonFiniteLogitsError: the model produced NaN/inf logits.
         """
         prompt = self._validate_prompt(input_ids)
+        if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool):
+            raise TypeError(
+                f"max_new_tokens must be an integer, got {type(max_new_tokens).__name__} "
+                f"{max_new_tokens!r}"
+            )
+        max_new_tokens = int(max_new_tokens)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.engine.check_context(prompt.numel() + max_new_tokens)
-        params = sampling if sampling is not None else self.sampling
+        params = _sampling_params(sampling) if sampling is not None else self.sampling
         stop_ids = _stop_set(eos_token_id)
+        if logits_processor is not None and not callable(logits_processor):
+            raise TypeError(
+                "logits_processor must be a callable (input_ids, scores) -> scores, such as a "
+                f"transformers LogitsProcessorList; got {type(logits_processor).__name__}"
+            )
+        with self._lock:
+            return self._generate(
+                prompt, max_new_tokens, stop_ids, params, streamer, logits_processor
+            )
+
+    def _generate(
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        stop_ids: frozenset[int],
+        params: SamplingParams,
+        streamer: BaseStreamer | None,
+        logits_processor: LogitsProcessor | None,
+    ) -> GenerationResult:
         generator = None
         if params.do_sample:
             generator = torch.Generator(device=self.engine.device)
-            if params.seed is not None:
-                generator.manual_seed(params.seed)
-            else:
-                generator.seed()
-        run = _Run(self, prompt, max_new_tokens, stop_ids, params, generator, streamer)
+            # No seed: draw one from torch's global RNG, so that torch.manual_seed(s) makes
+            # the call reproducible, as model.generate's sampling is.
+            seed = params.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+            generator.manual_seed(seed)
+        run = _Run(
+            self, prompt, max_new_tokens, stop_ids, params, generator, streamer, logits_processor
+        )
         return run.execute()
 
     def _validate_prompt(self, input_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
@@ -207,14 +263,39 @@ class SpeculativeDecoder:
         return ids.to(device=self.engine.device, dtype=torch.long)
 
 
+def _sampling_params(sampling: SamplingParams | Mapping[str, Any]) -> SamplingParams:
+    """``sampling`` as :class:`SamplingParams` (a dict gives its fields)."""
+    if isinstance(sampling, SamplingParams):
+        return sampling
+    if isinstance(sampling, Mapping):
+        fields = {field.name for field in attrs.fields(SamplingParams)}
+        unknown = sorted(str(key) for key in sampling if key not in fields)
+        if unknown:
+            raise TypeError(
+                f"sampling: unknown field(s) {', '.join(unknown)}; valid: {', '.join(fields)}"
+            )
+        return SamplingParams(**sampling)
+    raise TypeError(
+        f"sampling must be a SamplingParams or a dict of its fields, got {type(sampling).__name__}"
+    )
+
+
 def _stop_set(eos_token_id: int | Sequence[int] | torch.Tensor | None) -> frozenset[int]:
     if eos_token_id is None:
         return frozenset()
-    if isinstance(eos_token_id, int):
-        return frozenset({eos_token_id})
     if isinstance(eos_token_id, torch.Tensor):
-        return frozenset(int(t) for t in eos_token_id.flatten().tolist())
-    return frozenset(int(t) for t in eos_token_id)
+        values: list[Any] = eos_token_id.flatten().tolist()
+    elif isinstance(eos_token_id, (str, bytes)) or not isinstance(eos_token_id, Sequence):
+        values = [eos_token_id]
+    else:
+        values = list(eos_token_id)
+    for value in values:
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise TypeError(
+                f"eos_token_id must be a token id (an integer), a sequence of them or a "
+                f"tensor; got {type(value).__name__} {value!r}"
+            )
+    return frozenset(int(value) for value in values)
 
 
 class _Run:
@@ -230,8 +311,10 @@ class _Run:
         params: SamplingParams,
         generator: torch.Generator | None,
         streamer: BaseStreamer | None,
+        logits_processor: LogitsProcessor | None = None,
     ) -> None:
         self.decoder = decoder
+        self.logits_processor = logits_processor
         self.engine = decoder.engine
         self.prompt = prompt
         self.max_new_tokens = max_new_tokens
@@ -250,6 +333,23 @@ class _Run:
         if self.synchronize:
             torch.cuda.synchronize(self.engine.device)
         return time.perf_counter()
+
+    def _process(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+        """``(rows, vocab)`` logits through the call's logits processor (unchanged without).
+
+        Row ``j`` predicts the token after ``drafts[:j]``, so the processor sees the
+        committed sequence followed by those drafts: a draft step and the verification
+        row at the same position are processed identically.
+        """
+        if self.logits_processor is None:
+            return logits
+        committed = self.sequence[: self.prompt.numel() + len(self.output)]
+        rows = []
+        for j in range(logits.shape[0]):
+            prefix = torch.cat([committed, torch.tensor(drafts[:j], dtype=torch.long)])
+            row = logits[j : j + 1].float().clone()  # processors may write in place
+            rows.append(self.logits_processor(prefix.unsqueeze(0).to(logits.device), row))
+        return torch.cat(rows)
 
     def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """Pick a token from ``logits (vocab,)``: argmax, or a sample from the processed p."""
@@ -289,7 +389,7 @@ class _Run:
             # Target tokens for the seed: the model's argmax after each seed token.
             seed_logits = engine.logits(out.hidden[-seed:])
             decoder._window.push(out.points, self.prompt[-seed:], seed_logits.argmax(-1), n - seed)
-        pending, _ = self._choose(out.logits[-1])
+        pending, _ = self._choose(self._process(out.logits[-1:], [])[0])
         stats.prefill_time_s = self._now() - start_time
         self._commit([pending])
 
@@ -436,7 +536,7 @@ class _Run:
             pending,
             n,
             budget,
-            self._choose,
+            lambda logits, drafted: self._choose(self._process(logits[None], drafted)[0]),
             confidence_threshold=self.decoder.confidence_threshold,
             cost_model=self.decoder.cost_model,
             clock=self._now,
@@ -454,12 +554,13 @@ class _Run:
         check_finite(out.logits, "verification")
         target_next = out.logits.argmax(dim=-1) if capture else None
         drafts = list(draft.tokens)
+        scores = self._process(out.logits, drafts)
         if self.params.do_sample:
-            target_probs = processed_probs(out.logits, self.params)
+            target_probs = processed_probs(scores, self.params)
             draft_probs = draft.draft_probs(target_probs.shape[-1], target_probs.device)
             verdict = verify_sampling(drafts, draft_probs, target_probs, self.generator)
         else:
-            verdict = verify_greedy(drafts, out.logits)
+            verdict = verify_greedy(drafts, scores)
         elapsed = self._now() - verify_start
         self.stats.verify_time_s += elapsed
         if self.decoder.cost_model is not None:

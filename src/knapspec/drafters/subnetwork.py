@@ -18,9 +18,9 @@ if TYPE_CHECKING:
     from knapspec.model.engine import SublayerEngine
     from knapspec.types import SublayerMask
 
-#: ``logits (vocab,) -> (token, q)``: argmax with ``q = None``, or a sample and its
-#: processed distribution ``q (vocab,)``.
-TokenChooser = Callable[[torch.Tensor], tuple[int, "torch.Tensor | None"]]
+#: ``(logits (vocab,), drafts so far) -> (token, q)``: argmax with ``q = None``, or a sample
+#: and its processed distribution ``q (vocab,)`` (the caller applies its logits processor).
+TokenChooser = Callable[[torch.Tensor, list[int]], tuple[int, "torch.Tensor | None"]]
 
 
 @attrs.frozen
@@ -67,7 +67,7 @@ class SubnetworkDrafter(Drafter):
             )
             logits = out.logits[0]
             check_finite(logits, "drafting")
-            token, q = choose(logits)
+            token, q = choose(logits, drafts)
             if q is not None:
                 probs.append(q)
             # The draft's top-1 probability; skipped when early exit is off (τ_conf = 0).

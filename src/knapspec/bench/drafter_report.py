@@ -1,0 +1,188 @@
+"""Report tables that explain each method's choices: per-drafter counts, the planning and
+lookup overhead, and the lookup family of the oracle.
+
+Every table is captioned with the machine it ran on (:func:`machine_caption`): a speed
+figure without its CPU says nothing.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from knapspec.bench.report import RunData
+
+#: Oracle speedups at or below this are "nothing to win": no share of it is reported.
+ORACLE_SHARE_THRESHOLD = 1.1
+#: The method whose share of the oracle is reported.
+KNAPSPEC = "knapspec"
+#: Drafters in table order (``none``: plain steps, γ = 0).
+DRAFTER_ORDER = ("lookup", "subnetwork", "none")
+
+
+def _markdown(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def machine_caption(data: RunData) -> str:
+    """One line naming the machine, threads and model of the run (from ``run.json``)."""
+    env = data.info.get("environment", {})
+    threads = env.get("threads", data.info.get("threads", "?"))
+    return (
+        f"*Machine: {env.get('device', 'unknown CPU')}, {threads} threads; "
+        f"{env.get('model', 'model ?')} ({env.get('dtype', '?')}), commit "
+        f"`{env.get('commit', '?')}`.*"
+    )
+
+
+def drafter_counts(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Rounds, drafted and accepted tokens per drafter, summed over ``rows`` (raw calls).
+
+    Calls recorded before per-drafter counts existed count as one ``subnetwork`` /
+    ``none`` split from their totals: drafted rounds are unknown there, so only the token
+    totals are kept (under ``"all"``).
+    """
+    totals: dict[str, dict[str, int]] = defaultdict(lambda: dict(rounds=0, drafted=0, accepted=0))
+    for row in rows:
+        drafters = row.get("drafters")
+        if drafters:
+            for name, counts in drafters.items():
+                for key in ("rounds", "drafted", "accepted"):
+                    totals[name][key] += int(counts.get(key, 0))
+        else:
+            totals["all"]["rounds"] += len(row.get("accept_lengths", []))
+            totals["all"]["drafted"] += int(row.get("drafted_tokens", 0))
+            totals["all"]["accepted"] += int(row.get("accepted_tokens", 0))
+    return dict(totals)
+
+
+def _share(rows: Sequence[dict[str, Any]], key: str) -> float:
+    total = sum(row["wall_time"] for row in rows)
+    return sum(row.get(key, 0.0) for row in rows) / total if total > 0 else 0.0
+
+
+def drafter_table(data: RunData) -> str:
+    """Per scenario, length and engine method: who drafted how much, and the overhead.
+
+    ``overhead`` is planning time (which includes proposing lookup drafts) over wall time;
+    ``lookup`` is the proposing part alone.
+    """
+    groups: dict[tuple[str, int, str], list[dict[str, Any]]] = defaultdict(list)
+    for row in data.raw:
+        if row.get("role") == "method" and row.get("plans") is not None:
+            groups[(row["scenario"], row["context"], row["method"])].append(row)
+    seen = {name for rows in groups.values() for name in drafter_counts(rows)}
+    names = [name for name in DRAFTER_ORDER if name in seen]
+    names += sorted(seen - set(names))
+    header = [
+        "scenario",
+        "N",
+        "method",
+        *[f"{name}: rounds / drafted / accepted (α)" for name in names],
+        "overhead (plan incl. lookup)",
+        "lookup",
+    ]
+    table = []
+    for key in groups:  # run order
+        rows = groups[key]
+        if all(not row.get("accept_lengths") for row in rows):
+            continue  # model.generate calls: no rounds recorded
+        counts = drafter_counts(rows)
+
+        def cell(name: str, counts: dict[str, dict[str, int]] = counts) -> str:
+            c = counts.get(name)
+            if c is None:
+                return "–"
+            alpha = f" ({c['accepted'] / c['drafted']:.2f})" if c["drafted"] else ""
+            return f"{c['rounds']} / {c['drafted']} / {c['accepted']}{alpha}"
+
+        scenario, context, method = key
+        table.append(
+            [
+                scenario,
+                str(context) if context else "short",
+                method,
+                *[cell(name) for name in names],
+                f"{_share(rows, 'plan_seconds'):.1%}",
+                f"{_share(rows, 'lookup_seconds'):.1%}",
+            ]
+        )
+    return _markdown(header, table)
+
+
+def _median_speedup(data: RunData, scenario: str, context: int, method: str) -> float | None:
+    values = [
+        row["speedup_vs_ar"]
+        for row in data.raw
+        if row["scenario"] == scenario
+        and row["context"] == context
+        and row["method"] == method
+        and row.get("speedup_vs_ar") is not None
+    ]
+    return statistics.median(values) if values else None
+
+
+def lookup_oracle_table(data: RunData) -> str:
+    """Per oracle line: the layer-skip and lookup families' best, lookup k = 3 and 10 as
+    replayed, the measured ``lookup-k3`` / ``lookup-k10`` / ``knapspec`` medians and
+    KnapSpec's share of the oracle where the oracle exceeds ``ORACLE_SHARE_THRESHOLD``."""
+    header = [
+        "scenario",
+        "N (tokens)",
+        "oracle",
+        "layer-skip best",
+        "lookup best (k, α)",
+        "replayed k = 3 / 10",
+        "measured lookup-k3 / k10",
+        "measured knapspec",
+        "knapspec of oracle",
+    ]
+    rows = []
+    for line in data.oracle:
+        lookup = {c["draft_length"]: c for c in line.get("lookup", [])}
+        best = line.get("best_lookup")
+        scenario, context = line["scenario"], line["context"]
+        knapspec = _median_speedup(data, scenario, context, KNAPSPEC)
+        measured = [
+            _median_speedup(data, scenario, context, m) for m in ("lookup-k3", "lookup-k10")
+        ]
+        oracle = float(line["speedup"])
+
+        def fmt(value: float | None) -> str:
+            return f"{value:.2f}" if value is not None else "–"
+
+        alpha = f"{best['accepted'] / best['drafted']:.2f}" if best and best["drafted"] else "–"
+        rows.append(
+            [
+                scenario,
+                f"{context} ({line['context_length']})",
+                f"{oracle:.2f}",
+                fmt(line.get("subnetwork_speedup")),
+                f"{best['speedup']:.2f} (k = {best['draft_length']}, α {alpha})"
+                if best
+                else ("1.00 (plain)" if lookup else "–"),
+                " / ".join(fmt(lookup[k]["speedup"]) if k in lookup else "–" for k in (3, 10)),
+                " / ".join(fmt(v) for v in measured),
+                fmt(knapspec),
+                (
+                    f"{knapspec / oracle:.0%}"
+                    if knapspec is not None and oracle > ORACLE_SHARE_THRESHOLD
+                    else "–"
+                ),
+            ]
+        )
+    return _markdown(header, rows)
+
+
+__all__ = [
+    "ORACLE_SHARE_THRESHOLD",
+    "drafter_counts",
+    "drafter_table",
+    "lookup_oracle_table",
+    "machine_caption",
+]
