@@ -87,17 +87,16 @@ def _small_vocab_model() -> LlamaForCausalLM:
 def _exact_joint(
     model: LlamaForCausalLM, prompt: list[int], params: SamplingParams, length: int
 ) -> dict[tuple[int, ...], float]:
-    """Exact target probability of every continuation of ``length`` tokens."""
-    joint: dict[tuple[int, ...], float] = {}
+    """Exact target probability of every continuation of ``length`` tokens (one batch)."""
+    continuations = list(itertools.product(range(VOCAB), repeat=length))
+    ids = torch.tensor([prompt + list(continuation) for continuation in continuations])
     with torch.no_grad():
-        for continuation in itertools.product(range(VOCAB), repeat=length):
-            ids = torch.tensor([prompt + list(continuation)])
-            logits = model(ids).logits[0, len(prompt) - 1 : -1]
-            probs = processed_probs(logits, params).double()
-            joint[continuation] = float(
-                torch.prod(probs[torch.arange(length), torch.tensor(continuation)])
-            )
-    return joint
+        logits = model(ids).logits[:, len(prompt) - 1 : -1]  # (cells, length, vocab)
+    probs = processed_probs(logits.reshape(-1, VOCAB), params).double()
+    probs = probs.reshape(len(continuations), length, VOCAB)
+    chosen = probs.gather(2, torch.tensor(continuations).unsqueeze(-1)).squeeze(-1)
+    joint = chosen.prod(dim=1).tolist()
+    return dict(zip(continuations, joint, strict=True))
 
 
 def _chi_square_pvalue(
@@ -125,7 +124,9 @@ def _chi_square_pvalue(
 def _sample(
     decoder: SpeculativeDecoder, prompt: list[int], params: SamplingParams, runs: int, length: int
 ) -> Counter[tuple[int, ...]]:
+    """``runs`` seeded generations; asserts that rounds really drafted ``length - 2`` tokens."""
     counts: Counter[tuple[int, ...]] = Counter()
+    drafted_at_position = [0] * length
     for seed in range(runs):
         result = decoder.generate(
             torch.tensor(prompt),
@@ -139,12 +140,17 @@ def _sample(
             ),
         )
         counts[tuple(result.tokens.tolist())] += 1
+        for position, drafted in enumerate(result.stats.drafted_at_position):
+            drafted_at_position[position] += drafted
+    # The first round after the prefill drafts length - 2 tokens (one token comes from the
+    # prefill, one is the verifier's bonus): every run drafts at positions 0 .. length - 3.
+    assert drafted_at_position[length - 3] >= runs, drafted_at_position
     return counts
 
 
 PROMPT = [1, 4, 2, 0, 3]
-LENGTH = 3  # token 1 from the prefill, tokens 2-3 drafted and verified together
-RUNS = 3000
+LENGTH = 5  # token 1 from the prefill; tokens 2-4 drafted in one round, 5 its bonus
+RUNS = 2000
 BAD_DRAFT = SublayerMask.from_skipped(3, [0, 1, 2, 3, 5])  # keeps one item: a poor draft
 
 
@@ -159,7 +165,9 @@ BAD_DRAFT = SublayerMask.from_skipped(3, [0, 1, 2, 3, 5])  # keeps one item: a p
 )
 def test_speculative_samples_are_distributed_as_the_target(params: SamplingParams) -> None:
     model = _small_vocab_model()
-    decoder = SpeculativeDecoder(model, planner=StaticPlanner(BAD_DRAFT, 2), confidence_threshold=0)
+    decoder = SpeculativeDecoder(
+        model, planner=StaticPlanner(BAD_DRAFT, LENGTH), confidence_threshold=0
+    )
     joint = _exact_joint(model, PROMPT, params, LENGTH)
     samples = _sample(decoder, PROMPT, params, RUNS, LENGTH)
     assert _chi_square_pvalue(samples, joint) > 1e-3
@@ -177,7 +185,9 @@ def test_the_chi_square_check_has_power_against_a_lossy_sampler(
     monkeypatch.setattr(decoder_module, "verify_sampling", accept_everything)
     params = SamplingParams(do_sample=True, temperature=1.0)
     model = _small_vocab_model()
-    decoder = SpeculativeDecoder(model, planner=StaticPlanner(BAD_DRAFT, 2), confidence_threshold=0)
+    decoder = SpeculativeDecoder(
+        model, planner=StaticPlanner(BAD_DRAFT, LENGTH), confidence_threshold=0
+    )
     joint = _exact_joint(model, PROMPT, params, LENGTH)
     samples = _sample(decoder, PROMPT, params, RUNS, LENGTH)
     assert _chi_square_pvalue(samples, joint) < 1e-6
