@@ -1,7 +1,10 @@
 """Integration: the real SmolLM2-135M-Instruct on real text (Jane Austen), greedy, lossless.
 
 No mocks: the real weights (provisioned on first use), the real tokenizer and chat
-template, and real passages. Every registered planner must reproduce ``model.generate``.
+template, and real passages. Every registered planner must reproduce ``model.generate``,
+with speculation forced on (a cost model under which drafting pays, the search gates of
+``test_lossless_drafting.FORCING`` opened) and drafted tokens asserted: on this CPU's real
+costs the cost-driven planners rightly choose plain decoding, which would test nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 from knapspec import PLANNERS, SpeculativeDecoder, StaticPlanner, SublayerMask
 from knapspec.bench.prompts import corpus, long_input_prompt
 from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.testing import CheapDraftCostModel
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
@@ -59,12 +63,20 @@ def test_five_real_prompts_with_a_deep_skip_are_lossless(smollm2) -> None:  # ty
 
 @pytest.mark.parametrize("planner_name", sorted(PLANNERS.names()))
 def test_every_registered_planner_is_lossless_on_real_text(smollm2, planner_name: str) -> None:  # type: ignore[no-untyped-def]
+    from test_lossless_drafting import FORCING, NEVER_DRAFTS
+
     model, tokenizer = smollm2
-    decoder = SpeculativeDecoder.from_config(model, {"planner": {"name": planner_name}})
+    decoder = SpeculativeDecoder.from_config(
+        model, {"planner": {"name": planner_name, **FORCING.get(planner_name, {})}}
+    )
+    if decoder.cost_model is not None:
+        decoder.cost_model = CheapDraftCostModel(model.config.num_hidden_layers)
     eos = model.generation_config.eos_token_id
     prompt = long_input_prompt(tokenizer, 64, seed=11)
     result = decoder.generate(prompt, max_new_tokens=NEW_TOKENS, eos_token_id=eos)
     assert torch.equal(result.tokens, _reference(model, prompt))
+    drafted = result.stats.drafted_tokens
+    assert drafted == 0 if planner_name in NEVER_DRAFTS else drafted > 0
     # the decoder must still be usable, and deterministic, on the next call
     again = decoder.generate(prompt, max_new_tokens=NEW_TOKENS, eos_token_id=eos)
     assert torch.equal(again.tokens, result.tokens)
@@ -72,9 +84,14 @@ def test_every_registered_planner_is_lossless_on_real_text(smollm2, planner_name
 
 def test_default_decoder_copy_heavy_text_is_lossless(smollm2) -> None:  # type: ignore[no-untyped-def]
     from knapspec.bench.prompts import copy_prompt
+    from test_lossless_drafting import FORCING
 
     model, tokenizer = smollm2
-    decoder = SpeculativeDecoder(model)
+    # The default planner (its search gates opened) and proxy, with costs under which
+    # drafting pays, so that this test speculates: with this CPU's costs, and the planning
+    # budget of a 48-token answer, the planner may keep plain steps throughout.
+    decoder = SpeculativeDecoder.from_config(model, {"planner": FORCING["knapsack"]})
+    decoder.cost_model = CheapDraftCostModel(model.config.num_hidden_layers)
     prompt = copy_prompt(tokenizer, 128, seed=3)
     eos = model.generation_config.eos_token_id
     result = decoder.generate(prompt, max_new_tokens=48, eos_token_id=eos)
@@ -84,3 +101,4 @@ def test_default_decoder_copy_heavy_text_is_lossless(smollm2) -> None:  # type: 
     )[0, prompt.numel() :]
     assert torch.equal(result.tokens, expected)
     assert result.stats.new_tokens == expected.numel()
+    assert result.stats.drafted_tokens > 0 and result.stats.accepted_tokens > 0
