@@ -1,12 +1,15 @@
 """Lemma 4.1 of KnapSpec as tensor functions: greedy margins, head geometry, certificates.
 
-Lemma 4.1 (proved in ``docs/theory-lemma.md``). Let ``w_1..w_V`` be the LM-head rows, ``x``
-the vector the head is applied to, ``i* = argmax_i <w_i, x>`` and the margin
-``ξ(x) = <w_i*, x> - max_{j≠i*} <w_j, x>``. If ``‖x'‖ = ‖x‖`` and
+Lemma 4.1 (proved in ``docs/theory-lemma.md``). Let ``w_1..w_V`` be the LM-head rows (no
+bias), ``x`` the vector the head is applied to, ``i* = argmax_i <w_i, x>`` and the margin
+``ξ(x) = <w_i*, x> - max_{j≠i*} <w_j, x>``. If ``x' ≠ 0`` and
 
     cos(x, x') ≥ 1 - ξ² / (2 ‖x‖² max_{j≠i*} ‖w_i* - w_j‖²)
 
 then ``i*`` is also an argmax of ``<w_i, x'>`` (the unique one when the inequality is strict).
+The paper states it for ``‖x'‖ = ‖x‖``; that premise costs nothing: a bias-free head's
+argmax is invariant under positive scaling, so ``x'`` and ``x'·‖x‖/‖x'‖`` (same cosine,
+equal norm) have the same greedy token.
 
 Which ``x``? The head acts on the *final-normed* state ``final_norm(h) = g ⊙ h / rms(h)``
 (RMSNorm with a per-channel gain ``g``), never on the residual stream ``h`` itself. Two
@@ -14,17 +17,17 @@ coordinate systems give the same logits and are both handled here:
 
 * ``"normed"``: ``x = final_norm(h)`` and the head ``W`` as is;
 * ``"folded"``: ``x = h / rms(h)`` and the head ``W diag(g)`` (the gain folded into the
-  head). Here ``‖x‖ = sqrt(d)`` up to the norm's epsilon, so the lemma's equal-norm premise
-  holds almost exactly, and ``cos(x, x') = cos(h, h')`` is exactly the cosine the KnapSpec
-  DP maximises on the residual stream.
+  head). Here ``‖x‖ = sqrt(d)`` up to the norm's epsilon, and ``cos(x, x') = cos(h, h')``
+  is exactly the cosine the KnapSpec DP maximises on the residual stream.
 
 :class:`HeadGeometry` represents the folded head without materialising it: with a channel
 scale ``g``, inner products between rows use the metric ``diag(g²)``.
 
-Besides the lemma's cosine test, :func:`certify` reports the premise-free form of the same
-proof, ``‖x - x'‖ · D ≤ ξ`` (it coincides with the lemma when norms are equal), and the
-exact linear-classifier radius ``ρ(x) = min_j (l_i* - l_j) / ‖w_i* - w_j‖``, the largest
-ball around ``x`` on which the argmax cannot change.
+Besides the lemma's cosine test, :func:`certify` reports the distance form of the same
+proof, ``‖x - x'‖ · D ≤ ξ``, applied to ``x'`` and to ``x'`` rescaled to ``‖x‖`` (the
+latter is the cosine test with float rounding accounted for), and the exact
+linear-classifier radius ``ρ(x) = min_j (l_i* - l_j) / ‖w_i* - w_j‖``, the largest ball
+around ``x`` on which the argmax cannot change.
 """
 
 from __future__ import annotations
@@ -273,7 +276,7 @@ def cosine_bound(xi: torch.Tensor, x_norm: torch.Tensor, dist: torch.Tensor) -> 
     """The lemma's threshold ``1 - ξ² / (2 ‖x‖² D²)`` (elementwise, broadcasting).
 
     Where ``ξ <= 0`` (a tie) or ``D == 0`` nothing is certified and the bound is 1. The
-    bound may be below -1, meaning every ``x'`` of equal norm is certified.
+    bound may be below -1, meaning every nonzero ``x'`` is certified.
     """
     denominator = 2 * x_norm.square() * dist.square()
     safe = (xi > 0) & (denominator > 0)
@@ -371,14 +374,18 @@ class Certificate:
         margin: ``ξ(x)``; max_distance: ``D = max_{j≠i*} ‖w_i* - w_j‖``.
         bound: the lemma's cosine threshold ``1 - ξ²/(2‖x‖²D²)``.
         cosine: ``cos(x, x')``.
-        norm_ratio: ``‖x'‖ / ‖x‖`` (the lemma assumes 1).
+        norm_ratio: ``‖x'‖ / ‖x‖`` (informational: no test needs it to be 1).
         distance: ``‖x - x'‖``.
-        certified_cosine: the lemma's test as stated, ``cos >= bound`` (and ``ξ > 0``); a
-            guarantee only when ``norm_ratio == 1``.
-        certified: the premise-free test ``D·‖x - x'‖ <= ξ - slack``; always sound, and equal
-            to ``certified_cosine`` when the norms are equal (up to the rounding slack).
-        certified_exact: ``‖x - x'‖ < ρ(x) - slack/‖w‖`` with the exact linear-classifier
-            radius (None when not computed); implied by ``certified``.
+        rescaled_distance: ``‖x - x'·‖x‖/‖x'‖‖`` (inf for ``x' = 0``), a function of the
+            cosine alone: ``‖x‖·sqrt(2(1 - cos))``.
+        certified_cosine: the lemma's test, ``cos >= bound`` (and ``ξ > 0``, ``x' ≠ 0``);
+            sound for any norm of ``x'``, without a float-rounding margin.
+        certified: ``D·min(distance, rescaled_distance) <= ξ - slack``: the lemma's test
+            (via the rescaled point) or the distance test on ``x'`` itself, each with the
+            logits' rounding slack; always sound. Neither test implies the other when the
+            norms differ.
+        certified_exact: ``min(distance, rescaled_distance) < ρ(x) - slack/‖w‖`` with the
+            exact linear-classifier radius (None when not computed); implied by ``certified``.
         agrees: whether the candidate's argmax is ``i*`` (None when not computed).
     """
 
@@ -393,6 +400,7 @@ class Certificate:
     certified: torch.Tensor
     certified_exact: torch.Tensor | None = None
     agrees: torch.Tensor | None = None
+    rescaled_distance: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -400,7 +408,7 @@ class Certificate:
 
     @property
     def certified_fraction(self) -> float:
-        """Share of tokens provably greedy-accepted (premise-free): a lower bound on agreement."""
+        """Share of tokens provably greedy-accepted: a lower bound on agreement."""
         return float(self.certified.float().mean())
 
     @property
@@ -420,7 +428,8 @@ class Certificate:
         return None if self.agrees is None else float(self.agrees.float().mean())
 
     def norm_ratio_stats(self) -> dict[str, float]:
-        """How far the equal-norm premise is from holding: ratio mean/min/max and max |log|."""
+        """How the candidate's norms differ from the reference's: ratio mean/min/max and max
+        |log| (the certificates hold for any ratio; the distance test is the one it affects)."""
         ratio = self.norm_ratio.double()
         return {
             "mean": float(ratio.mean()),
@@ -469,17 +478,24 @@ def certify(
     x_prime = candidate.to(x.dtype)
     x_norm = x.norm(dim=-1)
     candidate_norm = x_prime.norm(dim=-1)
+    nonzero = candidate_norm > 0
     distance = (x - x_prime).norm(dim=-1)
+    # A bias-free head's argmax is invariant under positive scaling, so the equal-norm
+    # point x'·‖x‖/‖x'‖ (same cosine) has x''s greedy token: the lemma applies to it.
+    scale = x_norm / torch.where(nonzero, candidate_norm, torch.ones_like(candidate_norm))
+    rescaled = (x - x_prime * scale[:, None]).norm(dim=-1)
+    rescaled = torch.where(nonzero, rescaled, torch.full_like(rescaled, float("inf")))
+    nearest = torch.minimum(distance, rescaled)
     cosine = torch.nn.functional.cosine_similarity(x, x_prime, dim=-1, eps=1e-30)
     bound = cosine_bound(margins.margin, x_norm, margins.max_distance)
     positive = margins.margin > 0
-    certified_cosine = positive & (cosine >= bound)
+    certified_cosine = positive & nonzero & (cosine >= bound)
     slack = margins.rounding_slack
-    certified = positive & (margins.max_distance * distance <= margins.margin - slack)
+    certified = positive & (margins.max_distance * nearest <= margins.margin - slack)
     certified_exact = None
     if margins.exact_radius is not None and exact_radius:
         largest_row = geometry.row_norms_sq.max().sqrt()
-        certified_exact = distance < margins.exact_radius - slack / largest_row
+        certified_exact = nearest < margins.exact_radius - slack / largest_row
     agrees = None
     if check_agreement:
         agrees = geometry.logits(x_prime).argmax(dim=-1) == margins.target_index
@@ -495,6 +511,7 @@ def certify(
         certified=certified,
         certified_exact=certified_exact,
         agrees=agrees,
+        rescaled_distance=rescaled,
     )
 
 
