@@ -41,6 +41,7 @@ from knapspec.planners.del_ import (
     tokens_per_layer,
 )
 from knapspec.planners.dp import trim_window
+from knapspec.testing import examples
 from knapspec.types import SublayerMask
 from knapspec.window import ReferenceWindow
 from test_planners_contract import (
@@ -325,7 +326,7 @@ def test_swift_config_validation(engine: SublayerEngine) -> None:
         BayesianPlanner(1, BayesianPlannerConfig(skip_ratio=0.9))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     mean=st.floats(-2.0, 2.0),
     std=st.floats(1e-2, 2.0),
@@ -434,7 +435,7 @@ def test_del_first_round_and_validation(engine: SublayerEngine) -> None:
         DELPlannerConfig(min_exit_layer=0)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     alphas=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=8),
     num_layers=st.integers(8, 40),

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from knapspec.planners.copying import CopyTracker, copied_fraction
+from knapspec.testing import examples
 
 
 def brute_force(tokens: list[int], ngram: int, recent: int) -> float:
@@ -24,7 +25,7 @@ def brute_force(tokens: list[int], ngram: int, recent: int) -> float:
     return hits / len(scored)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     tokens=st.lists(st.integers(0, 3), max_size=40),
     ngram=st.integers(1, 4),
@@ -51,7 +52,7 @@ def test_bad_arguments() -> None:
         copied_fraction(torch.zeros(2, 3, dtype=torch.long))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     tokens=st.lists(st.integers(0, 3), max_size=40),
     cuts=st.lists(st.integers(0, 40), max_size=6),

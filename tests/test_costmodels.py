@@ -41,6 +41,7 @@ from knapspec.costmodels import (
 from knapspec.costmodels import store as store_module
 from knapspec.costmodels.profiler import PLANNING_WIDTHS
 from knapspec.model.engine import SublayerEngine
+from knapspec.testing import examples
 from knapspec.types import SublayerMask
 
 # --------------------------------------------------------------------------------- helpers
@@ -376,7 +377,7 @@ def test_one_line_per_width_fits_the_measured_staircase_a_bilinear_law_cannot() 
     assert np.abs(error).max() > 0.2
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(law=verify_laws(), contexts=LADDER)
 def test_fit_reproduces_any_per_width_law_exactly(
     law: LinearCoefficients, contexts: list[int]
@@ -391,7 +392,7 @@ def test_fit_reproduces_any_per_width_law_exactly(
             assert model.verify_cost(k, n) == pytest.approx(law.verify_seconds(k, n), rel=1e-9)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(law=verify_laws(min_width=3), data=st.data())
 def test_an_unmeasured_width_lies_between_its_measured_neighbours(
     law: LinearCoefficients, data: st.DataObject
@@ -529,7 +530,7 @@ def test_a_line_below_zero_is_floored_at_half_the_fastest_item() -> None:
 times = st.floats(min_value=1e-7, max_value=10.0, allow_nan=False, allow_infinity=False)
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(t_attn=times, t_mlp=times)
 def test_weights_are_positive_integers_ordered_like_the_times(t_attn: float, t_mlp: float) -> None:
     w_attn, w_mlp = knapsack_weights(t_attn, t_mlp)
@@ -542,7 +543,7 @@ def test_weights_are_positive_integers_ordered_like_the_times(t_attn: float, t_m
     assert min(w_attn, w_mlp) == 1  # Δ = min(t_attn, t_mlp) maps to weight 1
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(t_attn=times, t_mlp=times)
 def test_weights_match_the_rounding_oracle(t_attn: float, t_mlp: float) -> None:
     # Oracle: the heavier item's weight is the integer nearest to the latency ratio.
@@ -552,7 +553,7 @@ def test_weights_match_the_rounding_oracle(t_attn: float, t_mlp: float) -> None:
     assert abs(max(w_attn, w_mlp) - ratio) <= 0.5 + 1e-9
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(t_attn=times, t_mlp=times, exponent=st.integers(min_value=-20, max_value=20))
 def test_weights_are_invariant_to_scaling_both_times(
     t_attn: float, t_mlp: float, exponent: int

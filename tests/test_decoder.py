@@ -19,6 +19,7 @@ from knapspec.planners import (
     PlanningContext,
     StaticPlanner,
 )
+from knapspec.testing import examples
 from knapspec.types import DraftPlan, StepOutcome, SublayerMask
 
 NEW_TOKENS = 24
@@ -255,7 +256,7 @@ def test_stats_are_consistent_and_serialisable() -> None:
 
 
 @pytest.mark.parametrize("planner_name", sorted(PLANNERS.names()))
-@settings(max_examples=4)
+@settings(max_examples=examples(4))
 @given(seed=st.integers(0, 10_000), prompt_length=st.integers(4, 24))
 def test_every_registered_planner_is_lossless(
     planner_name: str, seed: int, prompt_length: int

@@ -21,6 +21,7 @@ from knapspec.planners.dp import (
     mean_cosine,
     trim_window,
 )
+from knapspec.testing import examples
 from knapspec.window import ReferenceWindow
 
 
@@ -47,7 +48,7 @@ instances = st.integers(min_value=1, max_value=9).flatmap(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(instances)
 def test_additive_dp_equals_brute_force_for_every_budget(
     instance: tuple[list[int], list[float], int],

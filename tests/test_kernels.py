@@ -11,9 +11,10 @@ from tests.tiny_models import tiny_model
 
 from knapspec.model.engine import SublayerEngine
 from knapspec.model.kernels import SMALL_ROWS, linear, padded_rows
+from knapspec.testing import examples
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     rows=st.integers(1, SMALL_ROWS + 4),
     lead=st.sampled_from([(), (1,), (2,)]),

@@ -22,6 +22,7 @@ from knapspec.proxies.lemma import (
     max_row_distance,
     reference_margins,
 )
+from knapspec.testing import examples
 
 DTYPE = torch.float64
 
@@ -63,9 +64,9 @@ def _gap_tolerance(weight: torch.Tensor, x: torch.Tensor) -> float:
 
 
 # --------------------------------------------------------------------------- soundness
-# The example counts below deliberately override the project's fast "dev" profile: each
-# proof-backed test covers thousands of (head, x, x') cases, batched per example for speed.
-@settings(max_examples=400, deadline=None)
+# Example counts are written for the "ci" profile and scale with the active one
+# (knapspec.testing.examples): the proofs nox session runs ~17x as many.
+@settings(max_examples=examples(400), deadline=None)
 @given(case=heads_and_states(), seed=st.integers(0, 2**31 - 1))
 def test_lemma_equal_norm_random_directions_keep_argmax(
     case: tuple[torch.Tensor, torch.Tensor], seed: int
@@ -92,7 +93,7 @@ def test_lemma_equal_norm_random_directions_keep_argmax(
     assert bool((logits[:, top] >= logits.max(dim=1).values - tolerance).all())
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(case=heads_and_states(), strict=st.booleans())
 def test_lemma_adversarial_points_at_the_bound_keep_argmax(
     case: tuple[torch.Tensor, torch.Tensor], strict: bool
@@ -154,7 +155,7 @@ def tight_cases(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor, int, int, 
     return torch.stack(rows), x, 0, 1, xi
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(case=tight_cases())
 def test_lemma_is_not_vacuous_just_below_a_tight_bound_the_argmax_flips(
     case: tuple[torch.Tensor, torch.Tensor, int, int, float],
@@ -175,7 +176,7 @@ def test_lemma_is_not_vacuous_just_below_a_tight_bound_the_argmax_flips(
     assert int((weight @ x_prime).argmax()) == rival
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(
     case=heads_and_states(),
     seed=st.integers(0, 2**31 - 1),
@@ -205,7 +206,7 @@ def test_certificate_implies_agreement_without_the_equal_norm_premise(
         assert bool(certificate.agrees[0])
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(case=heads_and_states(), seed=st.integers(0, 2**31 - 1), position=st.floats(0.0, 1.0))
 def test_premise_free_test_equals_the_lemma_when_norms_are_equal(
     case: tuple[torch.Tensor, torch.Tensor], seed: int, position: float
@@ -244,7 +245,7 @@ def test_exact_radius_is_the_distance_to_the_nearest_decision_boundary() -> None
 
 
 # ------------------------------------------------------------------------- head geometry
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     vocab=st.integers(2, 30),
     d_model=st.integers(1, 8),

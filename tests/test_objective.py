@@ -17,6 +17,7 @@ from knapspec.planners.objective import (
     tokens_per_layer,
     tokens_per_time,
 )
+from knapspec.testing import examples
 from knapspec.types import SublayerMask
 
 alphas = st.floats(0.0, 1.0, allow_nan=False)
@@ -64,14 +65,14 @@ def problems(draw: st.DrawFn) -> tuple[np.ndarray, RoundCosts]:
     return alpha, monotone_costs(draw, k, d)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(problems())
 def test_zero_acceptance_never_speculates(problem: tuple[np.ndarray, RoundCosts]) -> None:
     _, costs = problem
     assert grid_search(np.zeros(costs.draft.size), costs).draft_length == 0
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.integers(1, 6), st.integers(1, 12), positive, st.floats(0, 10))
 def test_free_perfect_drafts_use_the_longest_draft(k: int, d: int, a: float, b: float) -> None:
     verify = a + b * np.arange(1, d + 2)
@@ -80,7 +81,7 @@ def test_free_perfect_drafts_use_the_longest_draft(k: int, d: int, a: float, b: 
     assert grid_search(np.ones(k), costs).draft_length == d
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(problems(), st.floats(1e-3, 1e3))
 def test_scaling_all_costs_keeps_the_best_plan(
     problem: tuple[np.ndarray, RoundCosts], scale: float
@@ -97,7 +98,7 @@ def test_scaling_all_costs_keeps_the_best_plan(
     )
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(problems())
 def test_grid_search_returns_the_table_maximum(problem: tuple[np.ndarray, RoundCosts]) -> None:
     alpha, costs = problem
@@ -146,7 +147,7 @@ def test_bad_input_is_named() -> None:
         tokens_per_time(0.5, 0, 0.0, 0.0)
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(
     gamma=st.integers(1, 10),
     draft=st.floats(0.0, 2.0),

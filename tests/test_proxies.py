@@ -24,6 +24,7 @@ from knapspec.proxies import (
 )
 from knapspec.proxies.lemma import LemmaSpace
 from knapspec.sampling import SamplingParams, processed_probs
+from knapspec.testing import examples
 from knapspec.types import SublayerMask
 from knapspec.window import ReferenceWindow
 
@@ -60,7 +61,7 @@ def distribution_pairs(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
     return raw_p / raw_p.sum(), raw_q / raw_q.sum()
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(pair=distribution_pairs())
 def test_sum_min_equals_the_exact_rejection_sampling_acceptance(
     pair: tuple[torch.Tensor, torch.Tensor],
@@ -84,7 +85,7 @@ def test_acceptance_probability_is_batched_and_checks_shapes() -> None:
 
 
 # ---------------------------------------------------------------------- intervals
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(trials=st.integers(1, 300), data=st.data(), confidence=st.sampled_from([0.8, 0.95, 0.99]))
 def test_wilson_interval_matches_scipy(trials: int, data: st.DataObject, confidence: float) -> None:
     successes = data.draw(st.integers(0, trials))
