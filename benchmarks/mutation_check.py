@@ -85,9 +85,15 @@ MUTANTS = (
     ),
     Mutant(
         "knapsack-never-drafts",
-        "the knapsack planner's search always returns γ = 0",
+        "the knapsack planner always plans γ = 0",
         "src/knapspec/planners/knapsack.py",
-        (("if setup.max_draft == 0 or setup.max_budget == 0:", "if True:"),),
+        (
+            (
+                'round\'s lookup proposal cut at its TPT optimum, and γ = 0."""\n',
+                'round\'s lookup proposal cut at its TPT optimum, and γ = 0."""\n'
+                "        return DraftPlan.autoregressive(context.engine.num_layers)\n",
+            ),
+        ),
         ("tests/test_lossless_drafting.py",),
     ),
     Mutant(
@@ -96,8 +102,8 @@ MUTANTS = (
         "src/knapspec/decoding/decoder.py",
         (
             (
-                "self._draft(plan, pending, n, max(0, budget))",
-                "self._draft(plan, pending, n, 0)",
+                "draft = self._draft(plan, proposals, pending, n, budget)",
+                "draft = self._draft(plan, proposals, pending, n, 0)",
             ),
         ),
         ("tests/test_lossless_drafting.py", *SAMPLING_TESTS),
