@@ -1,9 +1,12 @@
 """Plain decoding through the knapspec engine (γ = 0 every round) vs ``model.generate``.
 
 Side by side in one process, interleaved pairs after a warm-up, prefill included, greedy,
-real SmolLM2-135M-Instruct and real text (bench-protocol.md). Checks token equality.
+real SmolLM2-135M-Instruct and real text (bench-protocol.md). Checks token equality. Every
+line records the CPU, its vector flags, the BLAS and the engine's kernel table: the ratio
+holds for that machine only.
 
-    python benchmarks/engine_vs_generate.py [--contexts 512 2048] [--pairs 5] [--new-tokens 64]
+    python benchmarks/engine_vs_generate.py [--contexts 512 2048 4096] [--pairs 3]
+        [--new-tokens 128]
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from knapspec.bench.env import environment
+from knapspec.bench.env import environment, kernel_record
 from knapspec.bench.prompts import long_input_prompt
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.model.provision import load_model_and_tokenizer
@@ -27,9 +30,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
-    parser.add_argument("--pairs", type=int, default=5)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096])
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
         "--output", type=Path, default=Path("results/engine/engine_vs_generate.jsonl")
@@ -38,7 +41,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model_and_tokenizer()
     decoder = SpeculativeDecoder(model, planner=AutoregressivePlanner())
-    env = environment(model, args.threads)
+    env = {**environment(model, args.threads), **kernel_record(decoder.engine)}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     eos = model.generation_config.eos_token_id
 

@@ -10,6 +10,7 @@ import torch
 import transformers
 
 import knapspec
+from knapspec.model.machine import machine_description
 
 
 def git_commit() -> str:
@@ -55,4 +56,13 @@ def environment(model: Any, threads: int) -> dict[str, Any]:
         "knapspec": getattr(knapspec, "__version__", "0"),
         "commit": git_commit(),
         "python": platform.python_version(),
+        # The same kernels run 2x faster or slower on another x86 CPU: name it, its vector
+        # flags and the BLAS (the kernel table is added where an engine is built).
+        **machine_description(),
     }
+
+
+def kernel_record(engine: Any) -> dict[str, Any]:
+    """The engine's kernel table for a results line: its fingerprint and where it came from
+    (the full table goes to ``setup.jsonl``)."""
+    return {"kernel_table": engine.kernels.fingerprint(), "kernel_source": engine.kernels.source}

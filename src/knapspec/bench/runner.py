@@ -32,7 +32,7 @@ import attrs
 import torch
 from tqdm.auto import tqdm
 
-from knapspec.bench.env import environment
+from knapspec.bench.env import environment, kernel_record
 from knapspec.bench.methods import (
     REFERENCE,
     MethodSpec,
@@ -154,10 +154,12 @@ class Harness:
         self.model = model
         self.tokenizer = tokenizer
         self.options = options
-        self.engine = SublayerEngine(model)
+        start = time.perf_counter()
+        self.engine = SublayerEngine(model)  # measures this machine's kernel table once
+        self.engine_seconds = time.perf_counter() - start
         self.eos = _eos_ids(model)
         self.run_dir = options.run_dir
-        self.env = environment(model, options.threads)
+        self.env = {**environment(model, options.threads), **kernel_record(self.engine)}
         self.decoders: dict[str, SupportsGenerate] = {}
         self.bar: Any = None
 
@@ -407,6 +409,10 @@ class Harness:
         """
         torch.set_num_threads(self.options.threads)
         self._prepare_dir()
+        # Which kernels the engine runs on this machine (and how long choosing them took).
+        self._setup_line(
+            "engine", "kernels", self.engine_seconds, kernel_table=self.engine.kernels.to_dict()
+        )
         self.bar = tqdm(
             total=self._work_units(),
             unit="tok",

@@ -3,10 +3,11 @@
 A :class:`LatencyProfile` holds the raw medians measured by
 :func:`knapspec.costmodels.profiler.profile_engine` and the :class:`ProfileKey` that says
 where they are valid: the model (name and a fingerprint of its dimensions and weights), the
-dtype, device, thread count, attention implementation, cache type, library versions and
-host CPU. A profile measured under another key is refused by
-:meth:`LatencyProfile.check_compatible` unless forced, because item latencies do not carry
-over between machines, thread counts or cache implementations (method spec §2).
+dtype, device, thread count, attention implementation, cache type, library versions, host
+CPU and the engine's kernel table (:meth:`~knapspec.model.kernels.KernelTable.fingerprint`).
+A profile measured under another key is refused by :meth:`LatencyProfile.check_compatible`
+unless forced, because item latencies do not carry over between machines, thread counts,
+kernels or cache implementations (method spec §2).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import importlib.metadata
 import json
 import math
 import os
-import platform
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 import transformers
+
+from knapspec.model.machine import host_cpu_model
 
 if TYPE_CHECKING:
     from knapspec.model.engine import SublayerEngine
@@ -36,7 +38,8 @@ ATTENTION_IMPLEMENTATION = "knapspec-engine-r3"
 """Timings go through the engine's own arithmetic, not ``attn_implementation``. The suffix
 is the engine's kernel revision (r2: few-row linear layers, :mod:`knapspec.model.kernels`;
 r3: fused q/k/v and gate/up products, :mod:`knapspec.model.fusion`);
-bump it whenever the engine's speed changes, so that older timings are refused."""
+bump it whenever the engine's own code changes speed, so that older timings are refused. Which
+few-row kernels run is machine-specific and lives in the key's ``kernel_table`` field."""
 
 CACHE_TYPE = "knapspec-preallocated"
 """The engine's preallocated, position-indexed :class:`~knapspec.model.cache.KVCache`."""
@@ -60,18 +63,6 @@ def _library_version(distribution: str) -> str:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
-
-
-def host_cpu_model() -> str:
-    """The host CPU's model name (``/proc/cpuinfo`` on Linux, else :mod:`platform`)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
 
 
 def device_description(device: torch.device) -> str:
@@ -129,6 +120,9 @@ class ProfileKey:
     transformers_version: str
     knapspec_version: str
     host_cpu: str
+    #: The engine's kernel table (``"f.linear"`` or a hash): a profile timed with other
+    #: kernels is re-measured. Profiles written before the field existed read as "".
+    kernel_table: str = ""
 
     @classmethod
     def for_engine(cls, engine: SublayerEngine) -> ProfileKey:
@@ -145,6 +139,7 @@ class ProfileKey:
             transformers_version=transformers.__version__,
             knapspec_version=_library_version("knapspec"),
             host_cpu=host_cpu_model(),
+            kernel_table=engine.kernels.fingerprint(),
         )
 
     def differences(self, other: ProfileKey) -> dict[str, tuple[object, object]]:

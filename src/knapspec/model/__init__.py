@@ -5,6 +5,7 @@ from knapspec.model.engine import (
     SUPPORTED_MODEL_TYPES,
     ContextLengthError,
     ForwardOutput,
+    OffloadedModelError,
     SublayerEngine,
     UnsupportedModelError,
 )
@@ -14,6 +15,7 @@ __all__ = [
     "ContextLengthError",
     "ForwardOutput",
     "KVCache",
+    "OffloadedModelError",
     "SublayerEngine",
     "UnsupportedModelError",
 ]

@@ -6,8 +6,10 @@ LM head) and owns only the attention arithmetic and the KV cache, so that it can
 * run any :class:`~knapspec.types.SublayerMask` over new tokens, writing K/V only for the
   attention items that run;
 * keep a preallocated, position-indexed cache (cropping is a pointer move);
-* run each layer's query/key/value and gate/up projections as one product each for the
-  few rows of decoding and verification (:mod:`knapspec.model.fusion`);
+* run the few-row products of decoding and verification through the kernels this
+  machine runs fastest (a :class:`~knapspec.model.kernels.KernelTable`, measured once per
+  machine by :mod:`knapspec.model.autotune`), fusing each layer's query/key/value and
+  gate/up projections into one product where that pays (:mod:`knapspec.model.fusion`);
 * attend with grouped-query heads packed onto their K/V head, never materialising the
   repeated K/V that ``repeat_kv`` builds for multi-token queries;
 * run one item functionally over many DP branches against a read-only cache prefix.
@@ -18,6 +20,7 @@ norm, MLP) with full causal attention — Llama, Mistral, Qwen2, Qwen3.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -27,16 +30,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from knapspec.model.autotune import KERNELS_ENV, framework_only, resolve_kernel_table
 from knapspec.model.cache import KVCache
 from knapspec.model.fusion import FusedProjection, fuse_linears
-from knapspec.model.kernels import SMALL_ROWS, linear
+from knapspec.model.kernels import KERNELS, PLAIN_KERNEL, Kernel, KernelTable
 from knapspec.types import SublayerMask
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
 
+_PLAIN: Kernel = KERNELS[PLAIN_KERNEL]
+
 
 class UnsupportedModelError(ValueError):
     """The model's architecture cannot be run item by item by this engine."""
+
+
+class OffloadedModelError(UnsupportedModelError):
+    """Some of the model's weights are offloaded (accelerate ``device_map`` with ``"cpu"`` or
+    ``"disk"`` entries) or spread over several devices."""
 
 
 class ContextLengthError(ValueError):
@@ -103,28 +114,75 @@ def _check_supported(model: nn.Module) -> None:
         )
 
 
+def _module_groups(names: list[str]) -> str:
+    """Parameter names -> the distinct modules holding them, e.g. ``model.layers.2, lm_head``."""
+    modules: list[str] = []
+    for name in names:
+        parts = name.split(".")
+        layer = parts[:2] == ["model", "layers"] and len(parts) > 3
+        prefix = ".".join(parts[:3] if layer else parts[:-1]) or name
+        if prefix not in modules:
+            modules.append(prefix)
+    return ", ".join(modules)
+
+
+def _check_placement(model: nn.Module) -> None:
+    """Refuse weights the engine cannot reach: offloaded by accelerate (kept on the ``meta``
+    device and brought in by hooks around each module's ``forward``, which the engine, running
+    the layers' parts itself, would bypass) or spread over several devices."""
+    offloaded = [name for name, p in model.named_parameters() if p.device.type == "meta"]
+    if offloaded:
+        raise OffloadedModelError(
+            f"the engine cannot run a model with offloaded weights ({_module_groups(offloaded)} "
+            "are offloaded to CPU or disk by accelerate's device_map): it runs each layer's "
+            "projections itself, past the hooks that load them. Load the model on one device "
+            "(no device_map, or device_map={'': device}), or use model.generate."
+        )
+    devices: dict[str, list[str]] = {}
+    for name, parameter in model.named_parameters():
+        devices.setdefault(str(parameter.device), []).append(name)
+    if len(devices) > 1:
+        placed = "; ".join(f"{device}: {_module_groups(names)}" for device, names in devices.items())
+        raise OffloadedModelError(
+            f"the engine runs a model on one device; this one is split over {len(devices)} "
+            f"({placed}). Load it with device_map={{'': device}}."
+        )
+
+
 class SublayerEngine:
     """Runs a causal LM's ``2L`` items in any subset, with its own KV cache.
 
     Args:
         model: a loaded ``PreTrainedModel`` of a supported family, in eval mode. Device and
             dtype are read from its parameters.
-        small_row_linear: run the linear layers of few-row products (decode, verify) through
-            :func:`knapspec.model.kernels.linear` (1.5x faster steps on a 2-core CPU); False
-            runs every projection as the model's own module (``F.linear``), e.g. to measure
-            the difference.
-        fuse_projections: with ``small_row_linear``, run each layer's query/key/value and
-            gate/up projections as one product each (:mod:`knapspec.model.fusion`: the
-            layers' weights become row blocks of one tensor, same values, same memory;
-            a one-token step about 3-4 % faster on a 2-core CPU).
+        kernels: which kernel runs each few-row product (decode, draft, verify):
+            ``"auto"`` measures the candidates on this machine once and caches the table
+            (:mod:`knapspec.model.autotune`; about 10 s for SmolLM2-135M on a 2-core CPU
+            the first time, a file read afterwards); ``"f.linear"`` runs every projection
+            as the model's own module; ``"transposed"`` is engine revision r3's fixed
+            choice; or a :class:`~knapspec.model.kernels.KernelTable`. None reads
+            ``$KNAPSPEC_KERNELS``, else ``"auto"``. A model on a non-CPU device or in a
+            dtype other than float32 always runs the framework's own products.
+        small_row_linear: False is ``kernels="f.linear"`` (kept for older code).
+        fuse_projections: allow running each layer's query/key/value and gate/up
+            projections as one product where the table says it pays
+            (:mod:`knapspec.model.fusion`: the layers' weights become row blocks of one
+            tensor, same values, same memory).
+        progress: a progress bar while a table is measured (None: on a terminal only).
     """
 
     def __init__(
-        self, model: nn.Module, *, small_row_linear: bool = True, fuse_projections: bool = True
+        self,
+        model: nn.Module,
+        *,
+        kernels: KernelTable | str | None = None,
+        small_row_linear: bool = True,
+        fuse_projections: bool = True,
+        progress: bool | None = None,
     ) -> None:
         _check_supported(model)
+        _check_placement(model)
         self.model = model
-        self.small_row_linear = small_row_linear
         config: Any = model.config
         self.config = config
         backbone: Any = model.model
@@ -157,10 +215,19 @@ class SublayerEngine:
             limit = min(limit, int(window))
         self.max_context: int = limit
         self.model_name: str = str(getattr(config, "_name_or_path", "") or type(model).__name__)
-        fuse = small_row_linear and fuse_projections
+        if not small_row_linear:
+            kernels = "f.linear"
+        # Fusion re-points the layers' weights (same values, same memory); only where a
+        # table may use it: a float32 CPU model with a table that is not plain F.linear.
+        may_fuse = (
+            fuse_projections
+            and not framework_only(self)
+            and not (isinstance(kernels, KernelTable) and kernels.is_plain)
+            and (kernels if kernels is not None else os.environ.get(KERNELS_ENV)) != "f.linear"
+        )
         self._fused_qkv: list[FusedProjection | None] = [
             fuse_linears([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
-            if fuse
+            if may_fuse
             else None
             for layer in self.layers
         ]
@@ -168,10 +235,35 @@ class SublayerEngine:
             fuse_linears(
                 [getattr(layer.mlp, "gate_proj", None), getattr(layer.mlp, "up_proj", None)]
             )
-            if fuse
+            if may_fuse
             else None
             for layer in self.layers
         ]
+        self._fuse_projections = fuse_projections
+        self.use_kernels(KernelTable.plain())
+        self.use_kernels(resolve_kernel_table(self, kernels, progress=progress))
+
+    # ---------------------------------------------------------------- kernels
+    def use_kernels(self, table: KernelTable) -> None:
+        """Run few-row products as ``table`` says from now on (the autotuner swaps tables
+        to compare them; a user may pass a table of their own)."""
+        if not self._fuse_projections:
+            table = table.with_fusion_off()
+        self.kernels = table
+        self.small_row_linear = not table.is_plain
+        self._max_rows = table.max_rows if not table.is_plain else 0
+        self._dispatch: dict[tuple[int, ...], tuple[Kernel, ...]] = table.dispatch()
+        self._fuse_qkv_rows = table.fuse_rows("qkv")
+        self._fuse_gate_up_rows = table.fuse_rows("gate_up")
+
+    def fusions(self, group: str) -> list[FusedProjection | None]:
+        """Per layer, the fused projection of ``group`` (``"qkv"`` or ``"gate_up"``), or
+        None where the layers were not fused."""
+        if group == "qkv":
+            return list(self._fused_qkv)
+        if group == "gate_up":
+            return list(self._fused_gate_up)
+        raise ValueError(f"unknown fusion group {group!r}; expected 'qkv' or 'gate_up'")
 
     # ------------------------------------------------------------------ cache
     def new_cache(self, capacity: int = 256) -> KVCache:
@@ -196,22 +288,32 @@ class SublayerEngine:
 
     # ------------------------------------------------------------- numerics
     def _project(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``module(x)`` for a linear layer, through the few-row kernel when enabled.
+        """``module(x)`` for a linear layer, through the table's kernel for few rows.
 
         Anything but a plain ``nn.Linear`` (a quantised or hooked layer) runs as itself.
         """
-        if self.small_row_linear and type(module) is nn.Linear:
-            return linear(x, module.weight, module.bias)
+        if type(module) is nn.Linear:
+            rows = x.numel() // x.shape[-1]
+            if rows <= self._max_rows:
+                weight = module.weight
+                kernels = self._dispatch.get(weight.shape)
+                if kernels is not None:
+                    return kernels[rows](x, weight, module.bias)
         result: torch.Tensor = module(x)
         return result
 
-    def _fused(self, fused: FusedProjection, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The parts' outputs for ``x (..., d)``: one product for a few rows when the fusion
-        is current; else one product per part (a prefill, see :mod:`knapspec.model.fusion`,
-        or weights replaced since the engine was built)."""
+    def _fused(
+        self, fused: FusedProjection, fuse_rows: tuple[bool, ...], x: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """The parts' outputs for ``x (..., d)``: one product where the table fuses this
+        many rows and the fusion is current; else one product per part (a prefill, see
+        :mod:`knapspec.model.fusion`, or weights replaced since the engine was built)."""
         rows = x.numel() // x.shape[-1]
-        if rows <= SMALL_ROWS and fused.is_current():
-            return fused.split(linear(x, fused.weight, fused.bias))
+        if rows <= self._max_rows and fuse_rows[rows] and fused.is_current():
+            weight = fused.weight
+            kernels = self._dispatch.get(weight.shape)
+            kernel = kernels[rows] if kernels is not None else _PLAIN
+            return fused.split(kernel(x, weight, fused.bias))
         return tuple(self._project(part, x) for part in fused.parts)
 
     def _gated_mlp(self, layer_index: int, x: torch.Tensor) -> torch.Tensor:
@@ -221,12 +323,12 @@ class SublayerEngine:
         up = getattr(mlp, "up_proj", None)
         down = getattr(mlp, "down_proj", None)
         act = getattr(mlp, "act_fn", None)
-        if not self.small_row_linear or gate is None or up is None or down is None or act is None:
+        if not self._max_rows or gate is None or up is None or down is None or act is None:
             result: torch.Tensor = mlp(x)
             return result
         fused = self._fused_gate_up[layer_index]
         if fused is not None:
-            gated, upward = self._fused(fused, x)
+            gated, upward = self._fused(fused, self._fuse_gate_up_rows, x)
         else:
             gated, upward = self._project(gate, x), self._project(up, x)
         hidden = act(gated)
@@ -250,7 +352,9 @@ class SublayerEngine:
         shape = (batch, q_len, -1, self.head_dim)
         fused = self._fused_qkv[layer_index]
         if fused is not None:
-            query, key, value = (part.reshape(shape) for part in self._fused(fused, normed))
+            query, key, value = (
+                part.reshape(shape) for part in self._fused(fused, self._fuse_qkv_rows, normed)
+            )
         else:
             query = self._project(attn.q_proj, normed).view(shape)
             key = self._project(attn.k_proj, normed).view(shape)

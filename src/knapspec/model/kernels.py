@@ -1,31 +1,51 @@
-"""Linear layers for the few-row products of decoding and verification.
+"""Linear kernels for the few-row products of decoding, and the table that picks one.
 
 A decode step multiplies every weight matrix by 1 row; verification by ``k ≤ D + 1``
-rows. On CPU, ``F.linear(x, W)`` (``x @ W.T``) sends such products to kernels that
-re-read ``W`` for every row: on a 2-core EPYC with SmolLM2's ``49152 × 576`` LM head,
-``F.linear`` takes 7.3 ms for 1 row, 15.3 ms for 2 and 22.2 ms for 3. The same product
-computed as ``(W @ x.T).T`` lets the BLAS stream ``W`` once for up to four rows: 2.4-2.9
-ms for 1-4 rows (``benchmarks/small_row_linear.py``, ``results/engine/
-small_row_linear.jsonl``). One row and three rows fall back to slower paths, so they are
-padded with zero rows to two and four. On small cache-resident matrices in isolation the
-kernel is slower at 1 and 6-11 rows (0.7-0.85x); in the model, where every weight streams
-from memory, a whole decode step is 1.6x faster.
+rows. The same product can be computed several ways, and which is fastest depends on the
+CPU and its BLAS, not on the model:
 
-Only the order of the floating-point summation differs from ``F.linear`` (as it does
-between any two BLAS kernels), so outputs agree to rounding.
+* ``f.linear``: ``F.linear(x, W)`` (``x @ W.T``), the model's own product;
+* ``transposed``: ``(W @ x.T).T``;
+* ``transposed-padded``: the same with 1 row padded to 2 and 3 rows to 4.
+
+On a 2-core AMD EPYC (MKL, AVX2) ``F.linear`` re-reads ``W`` for every row of a few-row
+product (SmolLM2's ``49152 × 576`` LM head: 7.3 ms for 1 row, 22.2 ms for 3), while
+``(W @ x.T).T`` streams ``W`` once for up to four rows (2.4-2.9 ms; 1 and 3 rows only when
+padded), and a whole decode step was 1.6x faster (``results/engine/small_row_linear.jsonl``).
+On a 2-core Intel Xeon (AVX-512, MKL) the same transposed path made a decode step 2x
+*slower* than ``F.linear``. So nothing here is hard-coded: a :class:`KernelTable` says,
+per weight shape and row count, which kernel to run and whether to run each layer's
+q/k/v and gate/up projections as one fused product; :mod:`knapspec.model.autotune`
+measures it on the machine at hand, and anything but a float32 model on CPU gets
+:meth:`KernelTable.plain` (the framework's own products).
+
+All kernels differ from ``F.linear`` only in the order of the floating-point summation
+(as any two BLAS kernels do), so outputs agree to rounding.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
 import torch
 import torch.nn.functional as F
 
-#: Up to this many rows use ``(W @ x.T).T``; beyond it ``F.linear``'s GEMM is as good.
+#: Row counts the table covers (1 .. SMALL_ROWS): decode, draft and verify steps (``D + 1``
+#: rows at most) and the DP's small batches. Larger products always run ``F.linear``.
 SMALL_ROWS = 16
+
+Kernel = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+#: Fusion groups: layers that read one input and may run as one product.
+FUSION_GROUPS = ("qkv", "gate_up")
 
 
 def padded_rows(rows: int) -> int:
-    """Rows actually multiplied for ``rows`` (1 → 2 and 3 → 4; the others as they are)."""
+    """Rows actually multiplied by ``transposed-padded`` (1 → 2 and 3 → 4)."""
     if rows == 1:
         return 2
     if rows == 3:
@@ -33,28 +53,20 @@ def padded_rows(rows: int) -> int:
     return rows
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, faster for few rows on CPU.
+def f_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``: ``x (..., in)``, ``weight (out, in)`` -> ``(..., out)``."""
+    return F.linear(x, weight, bias)
 
-    Args:
-        x: ``(..., in_features)``.
-        weight: ``(out_features, in_features)``.
-        bias: ``(out_features,)`` or None.
 
-    Returns:
-        ``(..., out_features)``, contiguous.
-    """
+def _transposed(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pad: bool
+) -> torch.Tensor:
     in_features = x.shape[-1]
     rows = x.numel() // in_features if in_features else 0
-    if (
-        x.device.type != "cpu"
-        or not 1 <= rows <= SMALL_ROWS
-        or x.dtype != weight.dtype
-        or weight.dim() != 2
-    ):
-        return F.linear(x, weight, bias)
+    if rows == 0 or x.dtype != weight.dtype or weight.dim() != 2:
+        return F.linear(x, weight, bias)  # F.linear's own errors, never a silent cast
     flat = x.reshape(rows, in_features)
-    padded = padded_rows(rows)
+    padded = padded_rows(rows) if pad else rows
     if padded > rows:
         flat = torch.cat([flat, flat.new_zeros(padded - rows, in_features)])
     out = torch.mm(weight, flat.t()).t()[:rows]
@@ -63,4 +75,220 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
-__all__ = ["SMALL_ROWS", "linear", "padded_rows"]
+def transposed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``(W @ x.T).T``: ``x (..., in)``, ``weight (out, in)`` -> ``(..., out)``, contiguous."""
+    return _transposed(x, weight, bias, pad=False)
+
+
+def transposed_padded(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """:func:`transposed` with 1 row padded to 2 and 3 rows to 4 (zero rows, dropped after)."""
+    return _transposed(x, weight, bias, pad=True)
+
+
+#: The candidate kernels by name; ``f.linear`` first (it wins ties).
+KERNELS: dict[str, Kernel] = {
+    "f.linear": f_linear,
+    "transposed": transposed,
+    "transposed-padded": transposed_padded,
+}
+PLAIN_KERNEL = "f.linear"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` as the transposed-padded product for up to :data:`SMALL_ROWS` rows on CPU
+    (the fixed choice of engine revisions r2-r3; kept for measurements and tests)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if x.device.type != "cpu" or not 1 <= rows <= SMALL_ROWS:
+        return F.linear(x, weight, bias)
+    return transposed_padded(x, weight, bias)
+
+
+Shape = tuple[int, int]
+
+
+def shape_name(shape: Shape) -> str:
+    """``(out, in)`` -> ``"outxin"`` (the JSON key of a shape)."""
+    return f"{shape[0]}x{shape[1]}"
+
+
+def parse_shape(name: str) -> Shape:
+    """Inverse of :func:`shape_name`."""
+    out, _, in_ = name.partition("x")
+    return int(out), int(in_)
+
+
+def _choices(value: Mapping[Any, Any]) -> dict[Shape, tuple[str, ...]]:
+    result: dict[Shape, tuple[str, ...]] = {}
+    for shape, names in value.items():
+        key = parse_shape(shape) if isinstance(shape, str) else (int(shape[0]), int(shape[1]))
+        result[key] = tuple(str(name) for name in names)
+    return result
+
+
+def _fuse(value: Mapping[str, Any]) -> dict[str, tuple[bool, ...]]:
+    return {str(group): tuple(bool(flag) for flag in flags) for group, flags in value.items()}
+
+
+@attrs.frozen
+class KernelTable:
+    """Which kernel runs each few-row product, and which projections run fused.
+
+    Attributes:
+        max_rows: row counts ``1 .. max_rows`` are covered; larger products use ``F.linear``.
+        choices: per weight shape ``(out_features, in_features)``, the kernel name (a key
+            of :data:`KERNELS`) for ``rows = 1 .. max_rows`` (index ``rows - 1``). A shape
+            not listed runs ``F.linear``.
+        fuse: per fusion group (``"qkv"``, ``"gate_up"``), whether ``rows = 1 .. max_rows``
+            run as one fused product. A group not listed runs separately.
+        source: how the table came about (``"measured"``, ``"f.linear"``: forced or not a
+            float32 CPU model, ``"fixed"``: given in code).
+    """
+
+    max_rows: int = SMALL_ROWS
+    choices: Mapping[Shape, tuple[str, ...]] = attrs.field(factory=dict, converter=_choices)
+    fuse: Mapping[str, tuple[bool, ...]] = attrs.field(factory=dict, converter=_fuse)
+    source: str = "fixed"
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_rows < 0:
+            raise ValueError(f"max_rows must be >= 0, got {self.max_rows}")
+        for shape, names in self.choices.items():
+            if len(names) != self.max_rows:
+                raise ValueError(
+                    f"kernel choices for shape {shape_name(shape)} list {len(names)} row "
+                    f"counts; expected max_rows={self.max_rows}"
+                )
+            unknown = sorted(set(names) - set(KERNELS))
+            if unknown:
+                raise ValueError(
+                    f"unknown kernel(s) {unknown} for shape {shape_name(shape)}; "
+                    f"known: {sorted(KERNELS)}"
+                )
+        for group, flags in self.fuse.items():
+            if group not in FUSION_GROUPS or len(flags) != self.max_rows:
+                raise ValueError(
+                    f"fuse[{group!r}] must be one of {FUSION_GROUPS} with max_rows="
+                    f"{self.max_rows} flags, got {len(flags)}"
+                )
+
+    @classmethod
+    def plain(cls, source: str = "f.linear") -> KernelTable:
+        """``F.linear`` everywhere and no fusion: the framework's own products."""
+        return cls(max_rows=0, source=source)
+
+    @classmethod
+    def uniform(
+        cls, shapes: list[Shape], kernel: str, *, fuse: bool, max_rows: int = SMALL_ROWS
+    ) -> KernelTable:
+        """One kernel for every shape and row count (e.g. engine revision r3's fixed choice:
+        ``uniform(shapes, "transposed-padded", fuse=True)``)."""
+        return cls(
+            max_rows=max_rows,
+            choices={shape: (kernel,) * max_rows for shape in shapes},
+            fuse={group: (fuse,) * max_rows for group in FUSION_GROUPS},
+        )
+
+    @property
+    def is_plain(self) -> bool:
+        """True when every product runs ``F.linear`` unfused (the model's own arithmetic)."""
+        return all(name == PLAIN_KERNEL for names in self.choices.values() for name in names) and (
+            not any(flag for flags in self.fuse.values() for flag in flags)
+        )
+
+    def kernel(self, shape: Shape, rows: int) -> str:
+        """The kernel name for a product of ``rows`` rows with a ``shape`` weight."""
+        names = self.choices.get(shape)
+        if names is None or not 1 <= rows <= self.max_rows:
+            return PLAIN_KERNEL
+        return names[rows - 1]
+
+    def fused(self, group: str, rows: int) -> bool:
+        """Whether ``group`` runs as one product for ``rows`` rows."""
+        flags = self.fuse.get(group)
+        return flags is not None and 1 <= rows <= self.max_rows and flags[rows - 1]
+
+    def dispatch(self) -> dict[tuple[int, ...], tuple[Kernel, ...]]:
+        """Per listed shape, the kernel functions indexed by row count (index 0 unused):
+        the engine's hot-path lookup."""
+        return {
+            shape: (f_linear, *(KERNELS[name] for name in names))
+            for shape, names in self.choices.items()
+        }
+
+    def fuse_rows(self, group: str) -> tuple[bool, ...]:
+        """``fused(group, rows)`` indexed by ``rows`` (index 0 unused), for the hot path."""
+        return (False, *(self.fused(group, rows) for rows in range(1, self.max_rows + 1)))
+
+    def with_fusion_off(self) -> KernelTable:
+        """The same kernels with no fusion."""
+        return attrs.evolve(self, fuse={})
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: shapes as ``"outxin"`` keys."""
+        return {
+            "max_rows": self.max_rows,
+            "choices": {shape_name(s): list(n) for s, n in sorted(self.choices.items())},
+            "fuse": {group: list(flags) for group, flags in sorted(self.fuse.items())},
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> KernelTable:
+        """Inverse of :meth:`to_dict` (raises ``ValueError``/``KeyError`` on bad data)."""
+        return cls(
+            max_rows=int(data["max_rows"]),
+            choices=data["choices"],
+            fuse=data["fuse"],
+            source=str(data.get("source", "fixed")),
+        )
+
+    def fingerprint(self) -> str:
+        """A short hash of what runs (not of ``source``): ``"f.linear"`` for a plain table.
+
+        Latency profiles store it; a profile timed under another table is not reused.
+        """
+        if self.is_plain:
+            return PLAIN_KERNEL
+        data = self.to_dict()
+        del data["source"]
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+    def summary(self) -> str:
+        """One line per shape and group, rows grouped by kernel: for logs and reports."""
+        lines = []
+        for shape, names in sorted(self.choices.items()):
+            lines.append(f"{shape_name(shape)}: {_runs(names)}")
+        for group, flags in sorted(self.fuse.items()):
+            lines.append(f"{group}: {_runs(tuple('fused' if f else 'separate' for f in flags))}")
+        return "\n".join(lines) if lines else "f.linear everywhere, no fusion"
+
+
+def _runs(names: tuple[str, ...]) -> str:
+    """``("a", "a", "b")`` -> ``"rows 1-2 a, 3 b"``."""
+    parts = []
+    start = 0
+    for index in range(1, len(names) + 1):
+        if index == len(names) or names[index] != names[start]:
+            span = f"{start + 1}" if index - 1 == start else f"{start + 1}-{index}"
+            parts.append(f"{span} {names[start]}")
+            start = index
+    return "rows " + ", ".join(parts)
+
+
+__all__ = [
+    "FUSION_GROUPS",
+    "KERNELS",
+    "PLAIN_KERNEL",
+    "SMALL_ROWS",
+    "Kernel",
+    "KernelTable",
+    "f_linear",
+    "linear",
+    "padded_rows",
+    "parse_shape",
+    "shape_name",
+    "transposed",
+    "transposed_padded",
+]

@@ -1,0 +1,89 @@
+"""What a timing depends on besides the model: the host CPU, its instruction set and the BLAS.
+
+Kernel tables (:mod:`knapspec.model.autotune`) and latency profiles
+(:mod:`knapspec.costmodels.profile`) are keyed by these, and every benchmark records them:
+the same few-row product is 1.6x faster one way on one x86 CPU and 2x slower on another.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+import re
+
+import torch
+
+#: Instruction-set flags worth reading in a report (the full list is hashed into the keys).
+_NOTABLE_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")
+
+
+def _cpuinfo_field(name: str) -> str | None:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.lower().startswith(name):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+@functools.cache
+def host_cpu_model() -> str:
+    """The host CPU's model name (``/proc/cpuinfo`` on Linux, else :mod:`platform`)."""
+    return _cpuinfo_field("model name") or platform.processor() or platform.machine() or "unknown"
+
+
+@functools.cache
+def host_cpu_flags() -> tuple[str, ...]:
+    """The CPU's feature flags, sorted (``/proc/cpuinfo``; empty where it is unavailable)."""
+    flags = _cpuinfo_field("flags") or _cpuinfo_field("features") or ""
+    return tuple(sorted(set(flags.split())))
+
+
+def notable_cpu_flags() -> tuple[str, ...]:
+    """The vector-instruction flags among :func:`host_cpu_flags` (AVX2, AVX-512, AMX...)."""
+    flags = set(host_cpu_flags())
+    return tuple(flag for flag in _NOTABLE_FLAGS if flag in flags)
+
+
+def cpu_flags_digest() -> str:
+    """A short hash of every CPU flag (two machines with the same model name may differ)."""
+    return hashlib.sha256(" ".join(host_cpu_flags()).encode()).hexdigest()[:12]
+
+
+@functools.cache
+def blas_description() -> str:
+    """torch's BLAS and CPU kernels, from ``torch.__config__.show()``, e.g.
+    ``"BLAS_INFO=mkl; Intel(R) oneAPI Math Kernel Library Version 2024.2...; CPU capability
+    usage: AVX2"``."""
+    shown = torch.__config__.show()
+    parts = []
+    match = re.search(r"BLAS_INFO=([^,\s]+)", shown)
+    parts.append(f"BLAS_INFO={match.group(1) if match else 'unknown'}")
+    for line in shown.splitlines():
+        text = line.strip().lstrip("- ").strip()
+        if any(word in text for word in ("Math Kernel Library", "OpenBLAS", "CPU capability")):
+            parts.append(text)
+    return "; ".join(parts)
+
+
+def machine_description() -> dict[str, object]:
+    """CPU model, notable flags, flags digest and BLAS, for results files."""
+    return {
+        "host_cpu": host_cpu_model(),
+        "cpu_flags": list(notable_cpu_flags()),
+        "cpu_flags_digest": cpu_flags_digest(),
+        "blas": blas_description(),
+    }
+
+
+__all__ = [
+    "blas_description",
+    "cpu_flags_digest",
+    "host_cpu_flags",
+    "host_cpu_model",
+    "machine_description",
+    "notable_cpu_flags",
+]
