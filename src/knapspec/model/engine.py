@@ -142,7 +142,9 @@ def _check_placement(model: nn.Module) -> None:
     for name, parameter in model.named_parameters():
         devices.setdefault(str(parameter.device), []).append(name)
     if len(devices) > 1:
-        placed = "; ".join(f"{device}: {_module_groups(names)}" for device, names in devices.items())
+        placed = "; ".join(
+            f"{device}: {_module_groups(names)}" for device, names in devices.items()
+        )
         raise OffloadedModelError(
             f"the engine runs a model on one device; this one is split over {len(devices)} "
             f"({placed}). Load it with device_map={{'': device}}."
