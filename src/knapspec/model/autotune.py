@@ -13,9 +13,10 @@ model every weight streams from memory. So one *pass* multiplies every layer's w
 the model in model order (all separate projections and the LM head; then, in a second
 pass, all fused ones), far more data than any cache holds, and each call is timed inside
 the pass. Then, for every row count of a decode, draft or verify step (``1 .. D + 1``),
-whole engine steps run interleaved with the tuned table and with plain ``F.linear``; a row
-count where the tuned table is not faster by ``margin`` falls back to ``F.linear``, so the
-engine is never slower than its own ``F.linear`` path where it was checked.
+whole engine steps run interleaved with the measured table, with the padded transposed
+kernel everywhere (fused) and with plain ``F.linear``; the fastest whole step wins that
+row count, and ``F.linear`` unless another beats it by ``margin``, so the engine is never
+slower than its own ``F.linear`` path where it was checked.
 
 :func:`load_or_tune` caches the table under ``cache_root()/kernels/``, keyed by
 :class:`KernelKey` (CPU model and flags, BLAS, torch version, threads, dtype, the model's
@@ -281,35 +282,36 @@ def _fastest(totals: Mapping[str, float], margin: float) -> str:
     return best
 
 
-def with_rows_plain(table: KernelTable, rows: Iterable[int]) -> KernelTable:
-    """``table`` with ``F.linear``, unfused, for the given row counts."""
-    drop = {r for r in rows if 1 <= r <= table.max_rows}
+def merge_rows(base: KernelTable, rows: Mapping[int, KernelTable]) -> KernelTable:
+    """``base`` with each listed row count taken from its own table (kernels and fusion)."""
+    shapes = set(base.choices)
+    for table in rows.values():
+        shapes |= set(table.choices)
     choices = {
-        shape: tuple(PLAIN_KERNEL if r + 1 in drop else name for r, name in enumerate(names))
-        for shape, names in table.choices.items()
+        shape: tuple(rows.get(r, base).kernel(shape, r) for r in range(1, base.max_rows + 1))
+        for shape in shapes
     }
     fuse = {
-        group: tuple(False if r + 1 in drop else flag for r, flag in enumerate(flags))
-        for group, flags in table.fuse.items()
+        group: tuple(rows.get(r, base).fused(group, r) for r in range(1, base.max_rows + 1))
+        for group in FUSION_GROUPS
     }
-    return attrs.evolve(table, choices=choices, fuse=fuse)
+    return attrs.evolve(base, choices=choices, fuse=fuse)
 
 
 @attrs.frozen
 class StepCheck:
-    """Whole engine steps of ``rows`` tokens: median seconds with the tuned table and with
-    plain ``F.linear``, and whether the tuned choice was kept."""
+    """Whole engine steps of ``rows`` tokens: median seconds with each candidate table
+    (``f.linear`` among them) and the one chosen for this row count."""
 
     rows: int
-    tuned_seconds: float
-    plain_seconds: float
-    kept: bool
+    seconds: dict[str, float]
+    chosen: str
 
 
 @torch.inference_mode()
 def validate_table(
     engine: SublayerEngine,
-    table: KernelTable,
+    candidates: Mapping[str, KernelTable],
     rows: Iterable[int] = DEFAULT_VALIDATE_ROWS,
     *,
     context: int = 128,
@@ -318,28 +320,32 @@ def validate_table(
     timer: Timer = time.perf_counter,
     progress: bool | None = None,
 ) -> tuple[KernelTable, list[StepCheck]]:
-    """Time whole engine steps of each row count with ``table`` and with ``F.linear``
-    (interleaved, after ``context`` cached tokens); row counts where ``table`` is not faster
-    by ``margin`` run ``F.linear`` unfused in the returned table. The engine is left
-    running the returned table."""
-    plain = KernelTable.plain()
-    rows = [r for r in rows if 1 <= r <= table.max_rows]
+    """Choose per row count among whole tables by timing whole engine steps.
+
+    Each row count's step runs with every table of ``candidates`` and with plain
+    ``F.linear`` (interleaved, after ``context`` cached tokens); the fastest wins if it
+    beats ``F.linear`` by ``margin``, else ``F.linear`` unfused runs that row count. The
+    first candidate supplies the rows not checked. The engine is left running the result.
+    """
+    tables = {PLAIN_KERNEL: KernelTable.plain(), **candidates}
+    base = next(iter(candidates.values()))
+    rows = [r for r in rows if 1 <= r <= base.max_rows]
     context = max(1, min(context, engine.max_context - max(rows, default=1) - 1))
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(
         0, engine.vocab_size, (context + max(rows, default=1),), generator=generator
     )
     cache = engine.new_cache(ids.numel())
-    engine.use_kernels(plain)
+    engine.use_kernels(tables[PLAIN_KERNEL])
     engine.forward(ids[:context], 0, cache, all_logits=False)
     checks: list[StepCheck] = []
     bar = tqdm(rows, desc="checking kernel choice", unit="rows", disable=_disabled(progress))
     for index, count in enumerate(bar):
         step = ids[context : context + count]
-        seconds: dict[str, list[float]] = {"tuned": [], "plain": []}
+        seconds: dict[str, list[float]] = {name: [] for name in tables}
         warmup = 1 if index == 0 else 0
         for repeat in range(repeats + warmup):
-            for name, candidate in (("tuned", table), ("plain", plain)):
+            for name, candidate in tables.items():
                 engine.use_kernels(candidate)
                 start = timer()
                 engine.forward(step, context, cache)
@@ -347,10 +353,12 @@ def validate_table(
                 cache.crop(context)
                 if repeat >= warmup:
                     seconds[name].append(elapsed)
-        tuned, base = statistics.median(seconds["tuned"]), statistics.median(seconds["plain"])
-        checks.append(StepCheck(count, tuned, base, tuned < (1 - margin) * base))
+        medians = {name: statistics.median(values) for name, values in seconds.items()}
+        best = min(candidates, key=lambda name: medians[name])
+        chosen = best if medians[best] < (1 - margin) * medians[PLAIN_KERNEL] else PLAIN_KERNEL
+        checks.append(StepCheck(count, medians, chosen))
     bar.close()
-    result = with_rows_plain(table, [c.rows for c in checks if not c.kept])
+    result = merge_rows(base, {check.rows: tables[check.chosen] for check in checks})
     engine.use_kernels(result)
     return result, checks
 
@@ -448,9 +456,22 @@ def tune_kernel_table(
     timings = measure_kernels(
         separate, fused, range(1, max_rows + 1), repeats=repeats, timer=timer, progress=progress
     )
-    table = choose_table(timings, separate, fused, max_rows=max_rows, margin=margin)
+    measured = choose_table(timings, separate, fused, max_rows=max_rows, margin=margin)
+    # Per-product timings can mislead (module docstring): whole steps also try the one
+    # uniform alternative that has won before, the padded transposed kernel everywhere.
+    shapes = sorted({role.shape for role in (*separate, *fused)})
+    uniform = attrs.evolve(
+        KernelTable.uniform(shapes, "transposed-padded", fuse=bool(fused), max_rows=max_rows),
+        source="measured",
+    )
     table, checks = validate_table(
-        engine, table, validate_rows, repeats=repeats, margin=margin, timer=timer, progress=progress
+        engine,
+        {"measured": measured, "transposed": uniform},
+        validate_rows,
+        repeats=repeats,
+        margin=margin,
+        timer=timer,
+        progress=progress,
     )
     return TuneResult(
         key=KernelKey.for_engine(engine, max_rows),
@@ -559,8 +580,8 @@ __all__ = [
     "linear_roles",
     "load_or_tune",
     "measure_kernels",
+    "merge_rows",
     "resolve_kernel_table",
     "tune_kernel_table",
     "validate_table",
-    "with_rows_plain",
 ]
