@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from knapspec.model.engine import SublayerEngine
 
 #: Bump when the candidates or the measurement change, so that cached tables are re-tuned.
-AUTOTUNE_REVISION = 1
+AUTOTUNE_REVISION = 2
 
 #: Environment variable overriding the engine's default kernel choice
 #: (``auto``, ``f.linear`` or ``transposed``; see :func:`resolve_kernel_table`).
