@@ -285,7 +285,9 @@ def test_generate_compare_runs_plain_decoding_and_explains_the_plan(
     compare = payload["compare"]
     assert compare["identical_tokens"] is True  # greedy: speculation is lossless
     assert compare["speedup"] > 0 and compare["plain_tokens_per_second"] > 0
-    assert "per-token acceptance" in compare["choices"] or "γ = 0" in compare["choices"]
+    assert any(
+        phrase in compare["choices"] for phrase in ("per-token acceptance", "γ = 0", "no rounds")
+    )
 
 
 def test_generate_without_a_prompt_uses_the_shipped_chapter() -> None:

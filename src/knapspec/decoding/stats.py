@@ -185,6 +185,8 @@ class GenerationStats:
 
     def drafter_summary(self) -> str:
         """Per drafter: rounds, mean γ, predicted vs measured per-token acceptance."""
+        if not self.drafters:
+            return "no rounds (generation ended with the prefill's token)"
         parts = []
         for name, counts in sorted(self.drafters.items()):
             if name == "none":
