@@ -15,7 +15,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import test_bench
-from knapspec.bench import MethodSpec, Scenario, default_methods, run_benchmark, write_report
+from knapspec.bench import (
+    MethodSpec,
+    Scenario,
+    default_methods,
+    prompts,
+    run_benchmark,
+    write_report,
+)
 from knapspec.bench.methods import HF_PROMPT_LOOKUP, available, lookup_methods
 from knapspec.bench.oracle import lookup_candidates, lookup_replay
 from knapspec.bench.prompts import EDIT_REPLACEMENTS, edit_prompt, quote_prompt
@@ -36,11 +43,15 @@ def smollm2_tokenizer() -> Any:
 
 
 @pytest.mark.real_model
+@pytest.mark.parametrize("text", ["default", "pydoc"])
 @pytest.mark.parametrize("kind", ["quote", "edit"])
 @pytest.mark.parametrize("length", [512, 2048])
 def test_quote_and_edit_prompts_have_the_requested_length(
-    smollm2_tokenizer: Any, kind: str, length: int
+    smollm2_tokenizer: Any, kind: str, length: int, text: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if text == "pydoc":  # the corpus on a machine without the Austen texts
+        pydoc = ("pydoc_data.topics", prompts.pydoc_corpus())
+        monkeypatch.setattr(prompts, "corpus", lambda: pydoc)
     builder = quote_prompt if kind == "quote" else edit_prompt
     for seed in (1000, 1001):  # both quote questions (even and odd seeds)
         ids = builder(smollm2_tokenizer, length, seed)

@@ -154,8 +154,8 @@ def quote_prompt(tokenizer: Any, num_tokens: int, seed: int = 0) -> torch.Tensor
     opened with them, inside a quotation mark); odd seeds ask what the passage says about
     its most mentioned name, answered with quotes (opened with the name's first sentence's
     start). Without the opening a 135M model answers in its own words after a few tokens;
-    with it, it quotes (see ``tests/test_bench_scenarios.py``). Falls back to the paragraph
-    question when the passage names nobody (or has no long paragraph).
+    with it, it quotes. Falls back to the paragraph question when no sentence of the passage
+    opens with a name (e.g. Python's documentation, the corpus without Austen).
     """
     text = passage(tokenizer, num_tokens, seed)
     paragraphs = _paragraphs(text)
@@ -168,8 +168,11 @@ def quote_prompt(tokenizer: Any, num_tokens: int, seed: int = 0) -> torch.Tensor
             "",
         )
         opening = _opening(sentence_start, QUOTE_CUE_WORDS)
-        primer = f'The passage says about {name}:\n\n"{opening}' if opening else ""
-        return chat_prompt(tokenizer, QUOTE_ABOUT.format(name=name), text, assistant_primer=primer)
+        if opening:
+            primer = f'The passage says about {name}:\n\n"{opening}'
+            return chat_prompt(
+                tokenizer, QUOTE_ABOUT.format(name=name), text, assistant_primer=primer
+            )
     # A paragraph from the middle third: the question is not about the passage's opening.
     third = len(paragraphs) // 3
     middle = paragraphs[third : max(third + 1, 2 * third)]
