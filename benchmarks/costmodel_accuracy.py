@@ -46,7 +46,7 @@ from knapspec.costmodels import (
     OnlineCalibratedCostModel,
     profile_engine,
 )
-from knapspec.costmodels.profiler import _fill_cache
+from knapspec.costmodels.profiler import fill_random_cache
 from knapspec.model.engine import SublayerEngine
 from knapspec.model.provision import load_model_and_tokenizer
 from knapspec.types import SublayerMask
@@ -94,7 +94,7 @@ class LoadAnchor:
     def __init__(self, engine: SublayerEngine, seed: int) -> None:
         generator = torch.Generator().manual_seed(seed + 1)
         self.cache = engine.new_cache(ANCHOR_CONTEXT + 2)
-        _fill_cache(engine, self.cache, ANCHOR_CONTEXT, generator)
+        fill_random_cache(engine, self.cache, ANCHOR_CONTEXT, generator)
         self.engine = engine
         self.reference = self.measure()
 
@@ -126,7 +126,7 @@ def held_out(
     records: list[dict[str, Any]] = []
     token = torch.tensor([int(rng.integers(engine.vocab_size))])
     for context in HELD_OUT_CONTEXTS:
-        _fill_cache(engine, cache, context, generator)
+        fill_random_cache(engine, cache, context, generator)
         block: list[dict[str, Any]] = []
         before = anchor.ratio()
         for _ in range(masks):

@@ -3,7 +3,7 @@
 With the hidden-state (mean cosine) value the DP of :func:`knapspec.planners.dp.hidden_state_dp`
 is a per-state heuristic (docs/theory.md, "What the DP guarantees"). This benchmark measures
 how good the heuristic is where brute force is affordable (``2L <= 12`` items): for random
-instances (tiny random Llama and Qwen3 models from ``tests/tiny_models.py``, several model
+instances (tiny random Llama and Qwen3 models shaped as the tests' ``tiny_models.py``, several model
 seeds, random integer item weights in ``[1, 4]``, random windows, the half-budget bound) it
 enumerates every mask of skipped weight ``<= max_budget``, scores all of them with the same
 score function on the same teacher-forced window, and compares, for every budget ``b``, the
@@ -28,7 +28,6 @@ the summaries) and prints a table. Usage (about two minutes on one core)::
 from __future__ import annotations
 
 import argparse
-import copy
 import itertools
 import json
 import math
@@ -43,26 +42,20 @@ import attrs
 import torch
 import transformers
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: make ``tests`` importable
-    sys.path.insert(0, str(ROOT))
-
-from tests.test_dp import filled  # noqa: E402
-from tests.tiny_models import tiny_model  # noqa: E402
-
-from knapspec.bench.env import git_commit  # noqa: E402
-from knapspec.model.cache import KVCache  # noqa: E402
-from knapspec.model.engine import SublayerEngine  # noqa: E402
-from knapspec.planners.dp import (  # noqa: E402
+from knapspec.bench.env import git_commit
+from knapspec.model.cache import KVCache
+from knapspec.model.engine import SublayerEngine
+from knapspec.planners.dp import (
     ScoreFn,
     half_budget,
     hidden_state_dp,
     mean_cosine,
     single_items,
 )
-from knapspec.types import SublayerMask  # noqa: E402
-from knapspec.window import ReferenceWindow  # noqa: E402
+from knapspec.types import SublayerMask
+from knapspec.window import ReferenceWindow
 
+ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "results" / "planning" / "dp_match_rate.json"
 #: A DP score within this of the brute-force best counts as a match.
 TOLERANCE = 1e-6
@@ -93,13 +86,61 @@ class Instance:
         return half_budget(self.weights)
 
 
+#: The tiny random models' shape (the same as the test suite's ``tests/tiny_models.py``,
+#: so that these results describe the models the DP tests run on).
+TINY_MODEL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=97,
+    max_position_embeddings=256,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+)
+
+
+def tiny_model(family: str, num_layers: int, seed: int) -> Any:
+    """A random ``family`` model (``"llama"`` or ``"qwen3"``) of ``num_layers`` layers; its
+    LM head is scaled by 8 so that greedy ties are vanishingly rare."""
+    torch.manual_seed(seed)
+    kwargs = dict(TINY_MODEL, num_hidden_layers=num_layers)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
+    elif family == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kwargs))
+    else:
+        raise ValueError(f"unknown family {family!r}; use llama or qwen3")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model.eval()
+
+
+def filled(
+    engine: SublayerEngine, length: int, window: int, seed: int
+) -> tuple[KVCache, ReferenceWindow]:
+    """Prefill ``length`` random tokens; the reference window is the last ``window``."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, engine.vocab_size, (length,), generator=generator)
+    cache = engine.new_cache(length)
+    out = engine.forward(ids, 0, cache, capture_points=True, capture_last=window)
+    assert out.points is not None
+    reference = ReferenceWindow(
+        points=out.points,
+        token_ids=ids[-window:],
+        target_tokens=out.logits[-window:].argmax(-1),
+        start=length - window,
+    )
+    return cache, reference
+
+
 def scaled_model(family: str, num_layers: int, seed: int, output_scale: float) -> Any:
-    """``tiny_model`` with every sublayer output projection scaled (a copy; the cached model
-    is never modified)."""
+    """``tiny_model`` with every sublayer output projection scaled."""
     model = tiny_model(family, num_layers, seed)
     if output_scale == 1.0:
         return model
-    model = copy.deepcopy(model)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.mul_(output_scale)
@@ -108,7 +149,7 @@ def scaled_model(family: str, num_layers: int, seed: int, output_scale: float) -
 
 
 def build(instance: Instance) -> tuple[SublayerEngine, KVCache, ReferenceWindow]:
-    """Engine, prefilled cache and reference window of ``instance`` (``tests/test_dp.filled``)."""
+    """Engine, prefilled cache and reference window of ``instance``."""
     model = scaled_model(
         instance.family, instance.num_layers, instance.model_seed, instance.output_scale
     )

@@ -1,9 +1,9 @@
 """Plain decoding through the knapspec engine (γ = 0 every round) vs ``model.generate``.
 
 Side by side in one process, interleaved pairs after a warm-up, prefill included, greedy,
-real SmolLM2-135M-Instruct and real text (bench-protocol.md). Checks token equality. Every
-line records the CPU, its vector flags, the BLAS and the engine's kernel table: the ratio
-holds for that machine only.
+real SmolLM2-135M-Instruct and real text (the protocol of ``knapspec.bench.runner``). Checks
+token equality. Every line records the CPU, its vector flags, the BLAS and the engine's
+kernel table: the ratio holds for that machine only.
 
     python benchmarks/engine_vs_generate.py [--contexts 512 2048 4096] [--pairs 3]
         [--new-tokens 128]

@@ -31,6 +31,7 @@ import attrs
 import numpy as np
 import torch
 
+from knapspec.bench.prompts import corpus_file
 from knapspec.costmodels.base import CostModel
 from knapspec.model.cache import KVCache
 from knapspec.model.engine import SublayerEngine
@@ -41,7 +42,7 @@ from knapspec.types import SublayerMask
 from knapspec.window import ReferenceWindow
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "planning"
-TEXT = Path("/work/shared/data/austen/prideprejudice.txt")
+TEXT = "prideprejudice.txt"  # the corpus file (knapspec.bench.prompts.corpus_file)
 WINDOW_TOKENS = 16
 MAX_DRAFT = 10
 
@@ -182,7 +183,7 @@ def main() -> None:
 
     model, tokenizer = load_model_and_tokenizer()
     engine = SublayerEngine(model)
-    text = TEXT.read_text(encoding="utf-8")[:200_000]
+    text = corpus_file(TEXT).read_text(encoding="utf-8")[:200_000]
     all_ids = torch.tensor(tokenizer(text)["input_ids"])
     RESULTS.mkdir(parents=True, exist_ok=True)
     env = {

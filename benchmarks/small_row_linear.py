@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from knapspec.bench.env import cpu_name
 from knapspec.bench.timing import median_seconds
 from knapspec.model.kernels import linear
 
@@ -46,6 +47,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    cpu = cpu_name()
     generator = torch.Generator().manual_seed(0)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with args.output.open("w") as handle:
@@ -64,6 +66,7 @@ def main() -> None:
                     "kernel_ms": kernel,
                     "speedup": reference / kernel,
                     "threads": args.threads,
+                    "cpu": cpu,
                     "torch": torch.__version__,
                 }
                 handle.write(json.dumps(line) + "\n")

@@ -223,7 +223,7 @@ def test_docs_from_several_runs_compare_them_and_keep_each_report(
 
 
 def test_demoting_headings_leaves_code_blocks_alone() -> None:
-    from knapspec.bench.report import _demoted
+    from knapspec.bench.report import demote_headings as _demoted
 
     text = "# Title\n## Part\n```\n# a shell comment\n```\ntext # not a heading"
     assert _demoted(text) == (

@@ -4,7 +4,7 @@
     options = BenchOptions(default_scenarios(quick=True), default_methods())
     write_report(run_benchmark(model, tokenizer, options))
 
-See ``shared/bench-protocol.md`` for the protocol and ``docs/benchmarks.md`` for results.
+See :mod:`knapspec.bench.runner` for the protocol and ``docs/benchmarks.md`` for results.
 """
 
 from knapspec.bench.cli import cli_main

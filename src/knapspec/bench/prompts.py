@@ -1,4 +1,4 @@
-"""Real-text prompts for the benchmark scenarios (bench-protocol.md).
+"""Real-text prompts for the benchmark scenarios (the protocol: :mod:`knapspec.bench.runner`).
 
 Text comes from Jane Austen's novels in ``shared/data/austen`` (found via
 ``$KNAPSPEC_DATA`` or next to the working directory / repository) and falls back to
@@ -30,6 +30,23 @@ def _candidate_dirs() -> list[Path]:
         dirs.append(base / "shared" / "data" / "austen")
         dirs.append(base.parent / "shared" / "data" / "austen")
     return dirs
+
+
+def corpus_file(name: str) -> Path:
+    """The corpus file ``name`` (e.g. ``"prideprejudice.txt"``) from the first data
+    directory holding it (``$KNAPSPEC_DATA``, or ``shared/data/austen`` next to the working
+    directory or the repository).
+
+    Raises:
+        FileNotFoundError: no data directory holds it (the message says where to put it).
+    """
+    for directory in _candidate_dirs():
+        if (directory / name).is_file():
+            return directory / name
+    raise FileNotFoundError(
+        f"{name} not found; set KNAPSPEC_DATA to the directory holding it, or put it in "
+        "shared/data/austen next to the repository"
+    )
 
 
 @cache

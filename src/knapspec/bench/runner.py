@@ -1,6 +1,6 @@
 """The benchmark harness: interleaved AR/method pairs, losslessness checks, raw results.
 
-Protocol (``shared/bench-protocol.md``), per scenario, prompt length and prompt:
+Protocol, per scenario, prompt length and prompt:
 
 * one process, ``torch.set_num_threads`` fixed and recorded; every decoder is built once
   per method before anything is timed (set-up reported in ``setup.jsonl``);
@@ -15,6 +15,10 @@ Protocol (``shared/bench-protocol.md``), per scenario, prompt length and prompt:
   failed;
 * after the timed calls of a prompt length: the oracle frontier on the first prompt's AR
   continuation and the v(k) curves at that length (analysis, never timed against methods).
+
+Size: over 450 lines because the timing protocol (interleaving, warm-up, the losslessness
+check, set-up outside the timed calls) is one loop that reads best in one place; records,
+scenarios, methods, the oracle and the report are separate modules.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Benchmark scenarios (bench-protocol.md): what is asked of the model, at which lengths.
+"""Benchmark scenarios: what is asked of the model, at which lengths (the protocol is in
+:mod:`knapspec.bench.runner`).
 
 A :class:`Scenario` is a prompt family (summarise, copy, quote a document to answer a
 question, edit a passage, long generation), the prompt

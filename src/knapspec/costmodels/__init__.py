@@ -14,7 +14,6 @@ from knapspec.costmodels.linear import (
 from knapspec.costmodels.online import (
     OnlineCalibratedCostModel,
     OnlineCalibratedCostModelConfig,
-    RecursiveLeastSquares,
 )
 from knapspec.costmodels.profile import (
     SCHEMA_VERSION,
@@ -25,6 +24,7 @@ from knapspec.costmodels.profile import (
     VerifyTiming,
 )
 from knapspec.costmodels.profiler import profile_engine
+from knapspec.costmodels.rls import RecursiveLeastSquares
 from knapspec.costmodels.store import PROFILE_ENV, default_profile_path, load_or_measure_profile
 
 __all__ = [

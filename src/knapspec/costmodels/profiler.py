@@ -69,10 +69,11 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def _fill_cache(
+def fill_random_cache(
     engine: SublayerEngine, cache: KVCache, length: int, generator: torch.Generator
 ) -> None:
-    """Give every layer ``length`` cached positions of random keys/values."""
+    """Give every layer ``length`` cached positions of random keys/values (what a timing
+    at context ``length`` needs; ``generator`` makes them reproducible)."""
     cache.reset()
     cache.reserve(length + 64)
     shape = (engine.kv_heads, length, engine.head_dim)
@@ -207,7 +208,7 @@ def profile_engine(
             # context. Runs go round-robin over the contexts so that a burst of load from
             # another process hits every context a little, never one context's every run.
             filled = max(item_contexts[-1], grid_contexts[-1])
-            _fill_cache(engine, cache, filled, generator)
+            fill_random_cache(engine, cache, filled, generator)
             attn_runs: dict[int, list[list[float]]] = {n: [] for n in item_contexts}
             mlp_runs: dict[int, list[list[float]]] = {n: [] for n in item_contexts}
             overhead_runs: dict[int, list[float]] = {n: [] for n in item_contexts}
@@ -277,5 +278,6 @@ __all__ = [
     "PLANNING_WIDTHS",
     "QUICK_CONTEXTS",
     "QUICK_VERIFY_CONTEXTS",
+    "fill_random_cache",
     "profile_engine",
 ]

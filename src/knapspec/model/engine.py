@@ -16,6 +16,10 @@ LM head) and owns only the attention arithmetic and the KV cache, so that it can
 
 Supported: decoder layers of the Llama layout (input norm, self-attention, post-attention
 norm, MLP) with full causal attention — Llama, Mistral, Qwen2, Qwen3.
+
+Size: over 450 lines because full forwards, single items and batched DP items share one
+attention and MLP implementation and the cache layout; the kernels, the cache and weight
+fusion already live in their own modules.
 """
 
 from __future__ import annotations

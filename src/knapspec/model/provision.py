@@ -15,6 +15,9 @@ processes never provision at the same time.
 Public API: :data:`DEFAULT_MODEL_NAME`, :class:`ProvisioningError`, :func:`cache_root`,
 :func:`default_model_path`, :func:`resolve_model_path` and :func:`load_model_and_tokenizer`.
 :func:`build_default_model` is the one slow step (download + convert); tests replace it.
+
+Size: a little over 450 lines: locating, locking, converting and loading share the cache
+layout and its error messages.
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ call per item.
 A *DP item* may stand for several engine items executed or skipped together (``groups``):
 CLaSp-style planners pass one group ``(2l, 2l + 1)`` per decoder layer. To pin a DP item
 (never skip it), give it a weight above ``max_budget``.
+
+Size: a little over 450 lines: one algorithm, its two evaluators (additive values for
+tests and bounds, hidden states for planning) and their result records, which are read
+together.
 """
 
 from __future__ import annotations

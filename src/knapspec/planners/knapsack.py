@@ -19,6 +19,11 @@ One plan (method spec §5-6):
 
 Re-planning is governed by :class:`~knapspec.planners.replan.ReplanPolicy`; between plans,
 :meth:`KnapsackPlanner.plan` returns the current plan at no cost.
+
+Size: over 450 lines because the search's steps (each a short method) share the planner's
+state (policy, copy gate, config) and one ``_SearchSetup`` record; the generic parts are
+elsewhere (the DP in :mod:`~knapspec.planners.dp`, TPT in
+:mod:`~knapspec.planners.objective`, re-planning in :mod:`~knapspec.planners.replan`).
 """
 
 from __future__ import annotations
