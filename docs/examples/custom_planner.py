@@ -6,7 +6,10 @@ schedule transformers uses for assistant models: +2 after a round whose drafts w
 accepted, -1 (down to 1) otherwise. It shows the whole planner contract:
 
 * an attrs frozen ``config_class`` whose fields have defaults and validators;
-* ``from_config(config, engine)``, the constructor the registry calls;
+* ``from_config(config, engine)``, the constructor the registry calls, inherited from
+  :class:`~knapspec.components.Component`: it type-checks the config, calls the
+  ``_construct(config, engine)`` hook this class overrides (it needs the model's depth),
+  and keeps the config as ``self.config``;
 * ``plan(context)`` before every round, ``update(outcome)`` after it, ``reset()`` at the
   start of every ``generate`` call;
 * ``uses_window = False``: it never reads the reference window, so the decoder builds no
@@ -21,7 +24,7 @@ Run it on the real model (SmolLM2-135M-Instruct, provisioned on first use)::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 import attrs
 import torch
@@ -71,7 +74,7 @@ class HeuristicEarlyExitPlanner(Planner):
         self.draft_length_ = initial_draft_length  # learned state ends in "_" (sklearn style)
 
     @classmethod
-    def from_config(cls, config: Any, engine: SublayerEngine) -> HeuristicEarlyExitPlanner:
+    def _construct(cls, config: Any, engine: SublayerEngine) -> Self:
         # A setting that cannot fit this model is a ValueError; the config layer turns it
         # into a ConfigError that names the [planner] section.
         if config.exit_layer > engine.num_layers:
