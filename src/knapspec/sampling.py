@@ -87,7 +87,9 @@ class SamplingParams:
         top_p: nucleus mass in (0, 1] (1 = off).
         seed: seed of the decoder's ``torch.Generator``, in ``[0, 2**64)``. ``None`` draws
             the generator's seed from torch's global RNG, so ``torch.manual_seed(s)`` makes
-            unseeded calls reproducible, as with ``model.generate``.
+            unseeded calls reproducible, as with ``model.generate``. The same seed repeats
+            the tokens when the draft plans repeat too; plans chosen from measured time may
+            differ between runs, which changes the tokens drawn but never their distribution.
 
     Integers of any kind (numpy scalars included) are accepted where a number is expected;
     a wrong type raises ``TypeError`` naming the field.
