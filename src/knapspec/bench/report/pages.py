@@ -257,7 +257,7 @@ def render_docs(runs: Sequence[RunData], docs: Path, title: str = "Benchmarks") 
         parts += [
             "## Across runs: plain decoding through knapspec's engine vs `model.generate`",
             "",
-            "Median [min-max] over pair rounds, prefill included.",
+            "Median [min-max] over pair rounds, prefill included. " + machines_sentence(runs),
             "",
             versus_generate,
             "",
@@ -265,6 +265,29 @@ def render_docs(runs: Sequence[RunData], docs: Path, title: str = "Benchmarks") 
     for data in runs:
         parts += [f"## Run `{run_name(data)}`", "", demote_headings(render(data, prefix(data))), ""]
     return header + "\n".join(parts)
+
+
+def machines_sentence(runs: Sequence[RunData]) -> str:
+    """Which CPU (and BLAS, kernel table) each run measured: the engine-vs-generate ratio
+    belongs to that machine, not to knapspec in general (another x86 CPU can invert it)."""
+    described = []
+    for data in runs:
+        env = data.info.get("environment", {})
+        machine = str(env.get("host_cpu") or env.get("device") or "an unrecorded machine")
+        extras = [str(env[key]).split(";")[0] for key in ("blas",) if env.get(key)]
+        flags = env.get("cpu_flags")
+        if flags:
+            extras.insert(0, ", ".join(flags) if isinstance(flags, list) else str(flags))
+        kernels = env.get("kernel_table")
+        if kernels:
+            extras.append(f"kernel table {kernels}")
+        detail = f" ({'; '.join(extras)})" if extras else ""
+        described.append(f"`{run_name(data)}` on {machine}{detail}")
+    return (
+        "Each ratio holds for the machine that measured it only: "
+        + ", ".join(described)
+        + ". Other CPUs differ (see `results/engine/`)."
+    )
 
 
 def write_docs(runs: Sequence[RunData], docs: Path, title: str = "Benchmarks") -> Path:
