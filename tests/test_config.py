@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tomllib
 import types
 import typing
 from pathlib import Path
@@ -32,7 +33,13 @@ from knapspec.config import (
     parse_override,
     save_config,
 )
-from knapspec.introspection import attribute_docs, component_fields, describe_fields
+from knapspec.drafters import LookupAcceptanceConfig, LookupConfig
+from knapspec.introspection import (
+    attribute_docs,
+    component_fields,
+    describe_fields,
+    drafter_fields,
+)
 from knapspec.planners.static import EarlyExitPlannerConfig, StaticPlannerConfig
 from knapspec.registry import UnknownComponentError
 from knapspec.sampling import SamplingParams
@@ -334,7 +341,7 @@ def test_parse_override(text: str, key: list[str], value: Any) -> None:
         ("planner.tau", "expected KEY=VALUE"),
         ("=3", "bad key"),
         ("planner..tau=3", "bad key"),
-        ("a.b.c=3", "bad key"),
+        ("a.b.c.d=3", "bad key"),
         ("planner.tau=", "missing value"),
         ("planner.skipped_items=[1, 2", "cannot parse value"),
         ('planner.name="static', "cannot parse value"),
@@ -366,6 +373,38 @@ def test_apply_overrides() -> None:
     assert apply_overrides(base, []) == base
 
 
+@needs_defaults
+def test_lookup_settings_are_config_fields_with_overrides_and_clear_errors() -> None:
+    changed = apply_overrides(
+        DecoderConfig(),
+        [
+            "drafters.lookup.max_ngram=2",
+            "drafters.lookup.max_tokens=6",
+            # Checked together: only the final pair must agree.
+            "planner.lookup_match_edges=[1, 3]",
+            "planner.lookup_prior_acceptance=[0.2, 0.6]",
+        ],
+    )
+    assert changed.drafters["lookup"] == LookupConfig(max_ngram=2, max_tokens=6)
+    assert changed.planner.params.lookup_acceptance_config() == LookupAcceptanceConfig(
+        match_edges=(1, 3), prior_acceptance=(0.2, 0.6)
+    )
+    assert DecoderConfig.from_dict(tomllib.loads(changed.to_toml())) == changed
+    bad = [
+        ("planner.lookup_decay=0", "planner.lookup_decay: must be in (0, 1]"),
+        ("planner.lookup_match_edges=[2, 3]", "must be integers rising strictly from 1"),
+        (
+            "planner.lookup_prior_acceptance=[0.5]",
+            "planner.lookup_prior_acceptance: needs one value per match-length bucket",
+        ),
+        ("planner.lookup_prior_acceptance=[0, 0.5]", "values in (0, 1)"),
+    ]
+    for override, reason in bad:
+        with pytest.raises(ConfigError, match=re.escape(reason)) as info:
+            apply_overrides(DecoderConfig(), [override, "max_draft_length=4"])
+        assert str(info.value).startswith(f"--set {override!r}:")
+
+
 @needs_components
 def test_a_component_name_override_resets_its_params_and_applies_first() -> None:
     base = explicit(planner=ComponentConfig("static", StaticPlannerConfig((2,), 5)))
@@ -386,6 +425,11 @@ def test_a_component_name_override_resets_its_params_and_applies_first() -> None
         ("sampling=3", ConfigError, "'sampling' is a section"),
         ("max_draft_length.x=3", ConfigError, "'max_draft_length' is not a section"),
         ("planner.name=knapsackk", UnknownComponentError, "valid names"),
+        ("drafters.lookup.max_ngram=0", ConfigError, "drafters.lookup.max_ngram: must be"),
+        ("drafters.lookup.max_match=2", ConfigError, "drafters.lookup.max_match: must be >="),
+        ("drafters.lookp.max_ngram=2", ConfigError, "did you mean 'lookup'"),
+        ("drafters.lookup.ngram=2", ConfigError, "drafters.lookup.ngram: unknown key"),
+        ("drafters.lookup=3", ConfigError, "'drafters.lookup' is a section"),
     ],
 )
 def test_bad_overrides_name_the_override_and_field(
@@ -428,6 +472,15 @@ def fields_markdown() -> str:
                 continue
             lines += ["| key | default | meaning |", "|---|---|---|"]
             lines += [f"| `{kind}.{field}` | `{default}` | {doc} |" for field, default, doc in rows]
+    for name, rows in drafter_fields().items():
+        lines += ["", f"### `[drafters.{name}]`", ""]
+        if not rows:
+            lines.append("No parameters.")
+            continue
+        lines += ["| key | default | meaning |", "|---|---|---|"]
+        lines += [
+            f"| `drafters.{name}.{field}` | `{default}` | {doc} |" for field, default, doc in rows
+        ]
     return "\n".join(line.replace("\n", " ") for line in lines) + "\n"
 
 

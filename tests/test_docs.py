@@ -38,6 +38,8 @@ import torch
 
 import knapspec
 from knapspec.config import COMPONENT_REGISTRIES, load_builtin_components
+from knapspec.drafters import DRAFTERS
+from knapspec.registry import Registry
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -199,12 +201,13 @@ def offline_world(
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
     monkeypatch.chdir(tmp_path)
     load_builtin_components()
-    before = {kind: set(registry.names()) for kind, registry in COMPONENT_REGISTRIES.items()}
+    registries: list[Registry[Any]] = [*COMPONENT_REGISTRIES.values(), DRAFTERS]
+    before = [set(registry.names()) for registry in registries]
     try:
         yield model, tokenizer
     finally:
-        for kind, registry in COMPONENT_REGISTRIES.items():
-            for name in set(registry.names()) - before[kind]:
+        for registry, names in zip(registries, before, strict=True):
+            for name in set(registry.names()) - names:
                 registry.unregister(name)
 
 

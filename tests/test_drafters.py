@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tests.tiny_models import greedy_reference, tiny_model
 
+from knapspec.config import ConfigError, DecoderConfig
 from knapspec.costmodels.base import CostModel
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.drafters import (
@@ -29,6 +30,7 @@ from knapspec.planners.objective import (
     chained_expected_tokens,
     expected_tokens,
 )
+from knapspec.registry import UnknownComponentError
 
 token_lists = st.lists(st.integers(0, 4), min_size=1, max_size=60)
 
@@ -253,6 +255,50 @@ def test_the_ablation_without_lookup_never_drafts_lookup_tokens() -> None:
     result = decoder.generate(REPETITIVE, max_new_tokens=20)
     assert "lookup" not in result.stats.drafters
     assert result.stats.lookup_time_s == 0
+
+
+@pytest.mark.parametrize(("prior", "drafts"), [(0.02, False), (0.98, True)])
+def test_the_lookup_priors_of_the_config_price_the_drafts(prior: float, drafts: bool) -> None:
+    # Priors a million trials strong outweigh what 30 rounds observe: the decision is the
+    # configured prior's (at 5 % per extra verified token, 0.02 never pays, 0.98 does).
+    config = DecoderConfig.from_dict(
+        {
+            "planner": {
+                "name": "knapsack",
+                "drafters": ["lookup"],
+                "lookup_prior_acceptance": [prior] * 6,
+                "lookup_prior_strength": 1e6,
+                "lookup_position_strength": 1e6,
+            }
+        }
+    )
+    model = tiny_model("llama", 3)
+    decoder = SpeculativeDecoder(model, config, cost_model=_FlatCosts(0.05))
+    result = decoder.generate(REPETITIVE, max_new_tokens=30)
+    assert torch.equal(result.tokens, greedy_reference(model, REPETITIVE, 30))
+    assert (result.stats.drafted_tokens > 0) == drafts
+
+
+def test_the_lookup_section_sets_the_proposal_length() -> None:
+    config = DecoderConfig.from_dict(
+        {
+            "planner": {"name": "lookup", "draft_length": 10},
+            "drafters": {"lookup": {"max_tokens": 2}},
+        }
+    )
+    model = tiny_model("llama", 3)
+    result = SpeculativeDecoder(model, config).generate(REPETITIVE, max_new_tokens=30)
+    assert torch.equal(result.tokens, greedy_reference(model, REPETITIVE, 30))
+    assert result.stats.drafters["lookup"].drafted > 0
+    assert max(result.stats.accept_lengths) <= 3  # two lookup tokens and the target's
+
+
+def test_a_planner_may_only_read_proposals_of_registered_proposing_drafters() -> None:
+    model = tiny_model("llama", 3)
+    with pytest.raises(ConfigError, match="does not propose before planning"):
+        SpeculativeDecoder(model, {"planner": {"name": "lookup", "drafter": "subnetwork"}})
+    with pytest.raises(UnknownComponentError, match="did you mean 'lookup'"):
+        SpeculativeDecoder(model, {"planner": {"name": "lookup", "drafter": "lookp"}})
 
 
 def test_knapsack_config_refuses_unknown_drafters() -> None:

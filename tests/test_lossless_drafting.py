@@ -12,31 +12,29 @@ and the test then says nothing about speculation. Here the setting makes draftin
   in :data:`FORCING`.
 
 Each test asserts that tokens were drafted, and that the output equals plain greedy
-decoding token for token. To cover a new registry of draft sources, add its names to the
-parametrization of :func:`test_every_registered_drafter_is_lossless_and_drafts` (one line
-in :func:`_drafter_names`).
+decoding token for token. Every registered drafter is forced in turn through
+:data:`DRAFTER_CONFIGS` (the knapsack search restricted to that drafter); a newly registered
+drafter fails :func:`test_every_registered_drafter_is_lossless_and_drafts` until it has an
+entry there.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from typing import Any
 
 import pytest
 import torch
 
-import knapspec.planners
 from knapspec import SpeculativeDecoder
-from knapspec.config import COMPONENT_REGISTRIES, DecoderConfig, build_components
+from knapspec.config import DecoderConfig, build_components, load_builtin_components
+from knapspec.drafters import DRAFTERS, LookupDrafter
 from knapspec.model.engine import SublayerEngine
 from knapspec.planners.base import PLANNERS
 from knapspec.proxies.base import PROXIES
 from knapspec.testing import CheapDraftCostModel, tiny_llama
 from tiny_models import greedy_reference
 
-for _module in pkgutil.iter_modules(knapspec.planners.__path__):
-    importlib.import_module(f"{knapspec.planners.__name__}.{_module.name}")
+load_builtin_components()
 
 #: Settings that gate only whether a planner searches, opened so that it does.
 FORCING: dict[str, dict[str, Any]] = {
@@ -46,6 +44,17 @@ FORCING: dict[str, dict[str, Any]] = {
     # SWIFT drafts only once a mask matches the target often enough; on the real model
     # its 45 %-skip masks may not within a short answer (0 is SWIFT's own behaviour).
     "swift": {"min_draft_matchness": 0.0},
+}
+#: Per drafter, a config under which rounds draft with it and with nothing else.
+DRAFTER_CONFIGS: dict[str, dict[str, Any]] = {
+    "subnetwork": {
+        "planner": {"name": "knapsack", **FORCING["knapsack"], "drafters": ["subnetwork"]},
+    },
+    "lookup": {
+        "planner": {"name": "knapsack", **FORCING["knapsack"], "drafters": ["lookup"]},
+        # Not the defaults, to check that the [drafters.lookup] section reaches the drafter.
+        "drafters": {"lookup": {"max_ngram": 2, "max_candidates": 4, "max_tokens": 5}},
+    },
 }
 #: Planners that are plain decoding by definition (checked: they draft nothing).
 NEVER_DRAFTS = frozenset({"autoregressive"})
@@ -68,15 +77,21 @@ def assert_lossless_and_drafts(
     references: list[torch.Tensor],
     *,
     expect_drafts: bool = True,
+    drafter: str | None = None,
 ) -> None:
     """Every prompt decodes to its greedy reference; drafting happened (or, for a plain
-    decoder, did not)."""
+    decoder, did not), counting only ``drafter``'s drafts when it is given."""
     drafted = accepted = 0
     for index, (prompt, expected) in enumerate(zip(PROMPTS, references, strict=True)):
         result = decoder.generate(prompt, max_new_tokens=NEW_TOKENS)
         assert torch.equal(result.tokens, expected), f"prompt {index} differs from greedy"
-        drafted += result.stats.drafted_tokens
-        accepted += result.stats.accepted_tokens
+        stats = result.stats
+        if drafter is None:
+            drafted += stats.drafted_tokens
+            accepted += stats.accepted_tokens
+        elif drafter in stats.drafters:
+            drafted += stats.drafters[drafter].drafted
+            accepted += stats.drafters[drafter].accepted
     if expect_drafts:
         assert drafted > 0, "no token was drafted: this run says nothing about speculation"
         assert accepted > 0, "no draft was accepted: the committed-draft path is untested"
@@ -87,13 +102,15 @@ def assert_lossless_and_drafts(
 def _decoder(model: torch.nn.Module, config: dict[str, Any]) -> SpeculativeDecoder:
     """The configured decoder, with the forcing cost model and the default proxy."""
     engine = SublayerEngine(model)
-    planner, _, _ = build_components(DecoderConfig.from_dict(config), engine)
+    settings = DecoderConfig.from_dict(config)
+    planner, _, _ = build_components(settings, engine)
     proxy = None
     if planner.uses_window:
         proxy_cls = PROXIES.get("montecarlo")
         proxy = proxy_cls.from_config(proxy_cls.config_class(), engine)
     return SpeculativeDecoder(
         engine,
+        settings,
         planner=planner,
         cost_model=CheapDraftCostModel(engine.num_layers) if planner.uses_window else None,
         proxy=proxy,
@@ -109,20 +126,21 @@ def test_every_registered_planner_is_lossless_and_drafts(
     assert_lossless_and_drafts(decoder, references, expect_drafts=planner_name not in NEVER_DRAFTS)
 
 
-def _drafter_names() -> list[Any]:
-    """Every registered drafter, once the drafter registry exists (else one skipped case)."""
-    try:
-        from knapspec.drafters import DRAFTERS  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        return [pytest.param(None, marks=pytest.mark.skip(reason="no DRAFTERS registry yet"))]
-    return sorted(DRAFTERS.names())
-
-
-@pytest.mark.parametrize("drafter_name", _drafter_names())
+@pytest.mark.parametrize("drafter_name", DRAFTERS.names())
 def test_every_registered_drafter_is_lossless_and_drafts(
     model: torch.nn.Module, references: list[torch.Tensor], drafter_name: str
 ) -> None:
-    if "drafter" not in COMPONENT_REGISTRIES:
-        pytest.skip("DecoderConfig has no [drafter] section yet")
-    decoder = _decoder(model, {"drafter": {"name": drafter_name}})
-    assert_lossless_and_drafts(decoder, references)
+    if drafter_name not in DRAFTER_CONFIGS:
+        pytest.fail(f"add a config that forces drafting with {drafter_name!r} to DRAFTER_CONFIGS")
+    config = DRAFTER_CONFIGS[drafter_name]
+    decoder = _decoder(model, config)
+    for drafter in decoder.drafters:  # the [drafters.NAME] params reached the proposers
+        assert drafter.config == decoder.config.drafters[drafter.registered_name]
+    assert_lossless_and_drafts(decoder, references, drafter=drafter_name)
+
+
+def test_the_lookup_section_configures_the_lookup_drafter(model: torch.nn.Module) -> None:
+    decoder = _decoder(model, DRAFTER_CONFIGS["lookup"])
+    (lookup,) = decoder.drafters
+    assert isinstance(lookup, LookupDrafter)
+    assert (lookup.config.max_ngram, lookup.index.max_ngram, lookup.config.max_tokens) == (2, 2, 5)

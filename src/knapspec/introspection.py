@@ -20,6 +20,8 @@ from knapspec.config.schema import (
     DecoderConfig,
     load_builtin_components,
 )
+from knapspec.drafters.base import DRAFTERS
+from knapspec.registry import Registry
 from knapspec.sampling import SamplingParams
 
 
@@ -33,7 +35,7 @@ def describe_fields() -> list[tuple[str, str, str]]:
     for prefix, cls in (("", DecoderConfig), ("sampling.", SamplingParams)):
         docs = attribute_docs(cls)
         for field in attrs.fields(cls):
-            if prefix == "" and field.name == "sampling":
+            if prefix == "" and field.name in ("sampling", "drafters"):
                 continue
             rows.append((prefix + field.name, _default_text(field), docs.get(field.name, "")))
     return rows
@@ -41,9 +43,18 @@ def describe_fields() -> list[tuple[str, str, str]]:
 
 def component_fields(kind: ComponentKind) -> dict[str, list[tuple[str, str, str]]]:
     """For every registered component of ``kind``: its ``(field, default, doc)`` rows."""
+    return _registry_fields(COMPONENT_REGISTRIES[kind])
+
+
+def drafter_fields() -> dict[str, list[tuple[str, str, str]]]:
+    """For every registered drafter: the ``(field, default, doc)`` rows of its
+    ``[drafters.NAME]`` section."""
+    return _registry_fields(DRAFTERS)
+
+
+def _registry_fields(registry: Registry[Any]) -> dict[str, list[tuple[str, str, str]]]:
     load_builtin_components()
     result: dict[str, list[tuple[str, str, str]]] = {}
-    registry = COMPONENT_REGISTRIES[kind]
     for name in registry.names():
         config_class = registry.get(name).config_class
         docs = attribute_docs(config_class)
@@ -110,4 +121,4 @@ def attribute_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-__all__ = ["attribute_docs", "component_fields", "describe_fields"]
+__all__ = ["attribute_docs", "component_fields", "describe_fields", "drafter_fields"]

@@ -143,7 +143,12 @@ def failing_field(cls: type, kwargs: Mapping[str, Any], error: Exception) -> tup
             return field.name, _strip_field_name(str(field_error), field.name)
         except Exception:  # a validator that needs the instance; cannot test it alone
             continue
-    return "", str(error)
+    # A cross-field check whose message starts with the field it blames.
+    message = str(error)
+    for field in attrs.fields(cls):
+        if field.name in kwargs and message.startswith(f"{field.name} "):
+            return field.name, _strip_field_name(message, field.name)
+    return "", message
 
 
 def check_keys(data: Mapping[str, Any], valid: Iterable[str], path: str) -> None:

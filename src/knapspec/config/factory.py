@@ -1,5 +1,6 @@
 """The one component factory: a :class:`~knapspec.config.schema.DecoderConfig` (plus any
-components given as instances) to the planner, cost model and proxy for a model."""
+components given as instances) to the planner, cost model, proxy and proposing drafters
+for a model."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ from typing import TYPE_CHECKING, Any
 from knapspec.config.coercion import ConfigError
 from knapspec.config.files import load_config
 from knapspec.config.schema import COMPONENT_REGISTRIES, ComponentKind, DecoderConfig
+from knapspec.drafters.base import DRAFTERS
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from knapspec.costmodels.base import CostModel
+    from knapspec.drafters.base import Drafter
     from knapspec.model.engine import SublayerEngine
     from knapspec.planners.base import Planner
     from knapspec.proxies.base import ValueProxy
@@ -52,6 +57,33 @@ def build_components(
     return planner, cost_model, proxy
 
 
+def build_drafters(
+    config: DecoderConfig, engine: SublayerEngine, names: Iterable[str]
+) -> list[Drafter]:
+    """The drafters ``names`` (those a planner reads proposals of, its
+    ``proposal_drafters()``), each built from its ``[drafters.NAME]`` params.
+
+    Raises:
+        UnknownComponentError: a name that is not a registered drafter.
+        ConfigError: a drafter that does not propose before planning (the decoder runs it
+            only once a plan chose it), or params ``from_config`` rejected.
+    """
+    drafters: list[Drafter] = []
+    for name in sorted(names):
+        cls = DRAFTERS.get(name)
+        if not cls.proposes_before_planning:
+            raise ConfigError(
+                f"drafters.{name}: the planner reads proposals of {name!r}, which does not "
+                "propose before planning (proposes_before_planning is False)"
+            )
+        params = config.drafters.get(name)  # None for a drafter registered after the config
+        try:
+            drafters.append(cls.from_config(params, engine))
+        except ValueError as error:
+            raise ConfigError(f"drafters.{name}: {error}") from error
+    return drafters
+
+
 def as_decoder_config(
     value: DecoderConfig | Mapping[str, Any] | str | os.PathLike[str] | None,
 ) -> DecoderConfig:
@@ -86,4 +118,4 @@ def _build(config: DecoderConfig, kind: ComponentKind, engine: SublayerEngine) -
         raise ConfigError(f"{kind} {component.name!r}: {error}") from error
 
 
-__all__ = ["as_decoder_config", "build_components"]
+__all__ = ["as_decoder_config", "build_components", "build_drafters"]

@@ -15,6 +15,9 @@ from knapspec.registry import UnknownComponentError
 def parse_override(override: str) -> tuple[list[str], Any]:
     """``"planner.tau=0.6"`` -> ``(["planner", "tau"], 0.6)``.
 
+    Keys are ``FIELD``, ``SECTION.FIELD`` or, for the per-drafter sections,
+    ``drafters.NAME.FIELD`` (``drafters.lookup.max_ngram=3``).
+
     The value is read as a TOML value (``0.6``, ``true``, ``[1, 2]``, ``"text"``); a bare
     word that is not valid TOML (``static``) is taken as a string.
 
@@ -26,10 +29,10 @@ def parse_override(override: str) -> tuple[list[str], Any]:
     if not sep:
         raise ConfigError(f"--set {override!r}: expected KEY=VALUE (e.g. planner.tau=0.6)")
     parts = key.split(".")
-    if not key or any(not part for part in parts) or len(parts) > 2:
+    if not key or any(not part for part in parts) or len(parts) > 3:
         raise ConfigError(
-            f"--set {override!r}: bad key {key!r}; use FIELD or SECTION.FIELD "
-            "(e.g. max_draft_length, planner.tau)"
+            f"--set {override!r}: bad key {key!r}; use FIELD, SECTION.FIELD or "
+            "SECTION.NAME.FIELD (e.g. max_draft_length, planner.tau, drafters.lookup.max_ngram)"
         )
     if not text:
         raise ConfigError(f"--set {override!r}: missing value after '='")
@@ -56,6 +59,10 @@ def apply_overrides(config: DecoderConfig, overrides: Sequence[str]) -> DecoderC
     it is legal), then component name changes (``planner.name=static``), which reset that
     component's params to its defaults; the remaining overrides then apply in order, so
     ``["planner.draft_length=3", "planner.name=static"]`` sets static's draft length.
+    Fields checked together may change in separate overrides
+    (``planner.lookup_match_edges=[1, 4]`` then ``planner.lookup_prior_acceptance=[0.4, 0.7]``):
+    only a final config that is still invalid is an error, blamed on the first override
+    after which the config was invalid.
 
     Raises:
         ConfigError: bad syntax, an unknown key, or an invalid value (message quotes the
@@ -65,43 +72,62 @@ def apply_overrides(config: DecoderConfig, overrides: Sequence[str]) -> DecoderC
     parsed = [(override, *parse_override(override)) for override in overrides]
     names_first = sorted(parsed, key=lambda item: _override_order(item[1]))
     data = config.to_dict()
+    # Each override is checked as it is applied, so an error names the override that
+    # caused it; a failure is raised only if the final config fails too, so that fields
+    # checked together (one prior per bucket edge) can change in two overrides.
+    first_failure: tuple[str, Exception] | None = None
     for override, parts, value in names_first:
-        candidate = _set_key(data, parts, value, override)
-        try:
-            DecoderConfig.from_dict(candidate)
-        except ConfigError as error:
-            raise ConfigError(f"--set {override!r}: {error}") from error
-        except UnknownComponentError as error:
-            raise UnknownComponentError(f"--set {override!r}: {error}") from error
-        data = candidate
+        data = _set_key(data, parts, value, override)
+        if first_failure is None:
+            first_failure = _failure(override, data)
+    if first_failure is not None and _failure("", data) is not None:
+        override, error = first_failure
+        kind = UnknownComponentError if isinstance(error, UnknownComponentError) else ConfigError
+        raise kind(f"--set {override!r}: {error}") from error
     return DecoderConfig.from_dict(data)
 
 
-def _set_key(data: dict[str, Any], parts: list[str], value: Any, override: str) -> dict[str, Any]:
+def _failure(override: str, data: Mapping[str, Any]) -> tuple[str, Exception] | None:
+    """``(override, error)`` when ``data`` is not a valid config, else None."""
+    try:
+        DecoderConfig.from_dict(data)
+    except (ConfigError, UnknownComponentError) as error:
+        return override, error
+    return None
+
+
+def _set_key(
+    data: Mapping[str, Any], parts: list[str], value: Any, override: str, path: str = ""
+) -> dict[str, Any]:
+    """A copy of ``data`` with the dotted key ``parts`` set to ``value``."""
     result = dict(data)
     head = parts[0]
+    where = f"{path}.{head}" if path else head
     if head not in result:
         close = difflib.get_close_matches(head, list(result), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(
-            f"--set {override!r}: unknown key {head!r}; valid: {', '.join(result)}{hint}"
+            f"--set {override!r}: unknown key {where!r}; valid: {', '.join(result)}{hint}"
         )
     if len(parts) == 1:
         if isinstance(result[head], Mapping):
             raise ConfigError(
-                f"--set {override!r}: {head!r} is a section; set one of its fields "
-                f"({head}.FIELD=VALUE)"
+                f"--set {override!r}: {where!r} is a section; set one of its fields "
+                f"({where}.FIELD=VALUE)"
             )
         result[head] = value
         return result
     section = result[head]
     if not isinstance(section, Mapping):
-        raise ConfigError(f"--set {override!r}: {head!r} is not a section")
-    field = parts[1]
-    if head in COMPONENT_REGISTRIES and field == "name" and value != section.get("name"):
+        raise ConfigError(f"--set {override!r}: {where!r} is not a section")
+    renames = not path and head in COMPONENT_REGISTRIES and parts[1:] == ["name"]
+    if renames and value != section.get("name"):
         result[head] = {"name": value}  # another component: its own defaults
-    else:
-        result[head] = {**section, field: value}
+        return result
+    if len(parts) == 2 and parts[1] not in section and parts[1] != "name":
+        result[head] = {**section, parts[1]: value}  # unknown field: from_dict names it
+        return result
+    result[head] = _set_key(section, parts[1:], value, override, where)
     return result
 
 

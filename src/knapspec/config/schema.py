@@ -2,8 +2,10 @@
 
 A :class:`DecoderConfig` names one registered planner, cost model and value proxy, each
 a :class:`ComponentConfig` holding the component's validated hyper-parameters (its
-``config_class``), plus the decoder's own settings. Components are looked up through the
-registries (``PLANNERS``, ``COST_MODELS``, ``PROXIES``); none is special-cased by name.
+``config_class``), the hyper-parameters of every registered drafter (``drafters``: all of
+them are available each round, the planner picks one), plus the decoder's own settings.
+Components are looked up through the registries (``PLANNERS``, ``COST_MODELS``,
+``PROXIES``, ``DRAFTERS``); none is special-cased by name.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from knapspec.config.coercion import (
 )
 from knapspec.config.toml import to_toml
 from knapspec.costmodels.base import COST_MODELS
+from knapspec.drafters.base import DRAFTERS
 from knapspec.planners.base import PLANNERS
 from knapspec.proxies.base import PROXIES
 from knapspec.registry import Registry, UnknownComponentError
@@ -44,12 +47,17 @@ COMPONENT_REGISTRIES: dict[ComponentKind, Registry[Any]] = {
 }
 
 #: Packages whose modules register the built-in components (imported on first use).
-_BUILTIN_PACKAGES = ("knapspec.planners", "knapspec.costmodels", "knapspec.proxies")
+_BUILTIN_PACKAGES = (
+    "knapspec.planners",
+    "knapspec.costmodels",
+    "knapspec.proxies",
+    "knapspec.drafters",
+)
 _builtins_loaded = False
 
 
 def load_builtin_components() -> None:
-    """Import every module of the planner / cost-model / proxy packages once.
+    """Import every module of the planner / cost-model / proxy / drafter packages once.
 
     Built-ins register themselves with a class decorator at import time; importing all
     modules here means a config can name any of them without the caller importing it
@@ -164,6 +172,60 @@ def component_to_dict(component: ComponentConfig) -> dict[str, Any]:
     return {"name": component.name, **params}
 
 
+# --------------------------------------------------------------------------- drafters
+def _drafter_config_class(name: str) -> type[Any]:
+    """The ``config_class`` of registered drafter ``name``."""
+    load_builtin_components()
+    try:
+        cls = DRAFTERS.get(name)
+    except UnknownComponentError as error:
+        raise UnknownComponentError(f"drafters.{name}: {error}") from error
+    config_class = getattr(cls, "config_class", None)
+    if config_class is None or not attrs.has(config_class):
+        raise ConfigError(
+            f"drafters.{name}: {cls.__qualname__} has no attrs config_class, so it cannot be "
+            "configured"
+        )
+    return config_class
+
+
+def resolve_drafters(value: Mapping[str, Any]) -> dict[str, Any]:
+    """``{drafter name: params}`` for every registered drafter, sorted by name.
+
+    ``value`` maps registered drafter names to a params instance (the drafter's
+    ``config_class``), its table form, or None; a drafter left out gets its defaults.
+
+    Raises:
+        UnknownComponentError: a name that is not a registered drafter.
+        ConfigError: not a table, params of the wrong class, unknown keys or invalid values
+            (the message starts with ``drafters.NAME.FIELD``).
+    """
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"drafters: expected a table of drafter name -> settings, got {describe(value)}"
+        )
+    load_builtin_components()
+    for name in value:
+        if not isinstance(name, str):
+            raise ConfigError(f"drafters: keys must be drafter names, got {name!r}")
+        _drafter_config_class(name)
+    resolved: dict[str, Any] = {}
+    for name in sorted(set(DRAFTERS.names()) | set(value)):
+        config_class = _drafter_config_class(name)
+        params = value.get(name)
+        if params is None:
+            params = build_attrs(config_class, {}, f"drafters.{name}")
+        elif isinstance(params, Mapping):
+            params = build_attrs(config_class, params, f"drafters.{name}")
+        elif type(params) is not config_class:
+            raise ConfigError(
+                f"drafters.{name}: {name!r} takes {config_class.__qualname__}, got "
+                f"{type(params).__qualname__}"
+            )
+        resolved[name] = params
+    return resolved
+
+
 # --------------------------------------------------------------------------- decoder
 def _default_component(name: str) -> Any:
     """A field whose default is component ``name`` with its default params."""
@@ -181,6 +243,11 @@ class DecoderConfig:
             (registry ``COST_MODELS``; default ``"online"``).
         proxy: scores drafts against the reference window and estimates acceptance α
             (registry ``PROXIES``; default ``"montecarlo"``).
+        drafters: per registered drafter (registry ``DRAFTERS``), its hyper-parameters
+            (``[drafters.lookup]``: the lookup index's n-gram sizes and proposal length);
+            a drafter left out keeps its defaults. Which drafter runs each round is the
+            planner's choice (``planner.drafters`` for the knapsack planner, which also
+            holds the lookup acceptance priors).
         sampling: greedy or sampled decoding (:class:`~knapspec.sampling.SamplingParams`).
         max_draft_length: D, the largest γ any plan may use (>= 1).
         window_rounds: m, how many recent rounds the reference window keeps (>= 1).
@@ -199,6 +266,7 @@ class DecoderConfig:
     planner: ComponentConfig = _default_component("knapsack")  # noqa: RUF009 - attrs field
     cost_model: ComponentConfig = _default_component("online")  # noqa: RUF009
     proxy: ComponentConfig = _default_component("montecarlo")  # noqa: RUF009
+    drafters: dict[str, Any] = attrs.field(factory=dict, kw_only=True)
     sampling: SamplingParams = attrs.field(
         factory=SamplingParams, validator=attrs.validators.instance_of(SamplingParams)
     )
@@ -218,6 +286,7 @@ class DecoderConfig:
                 kind, getattr(self, kind), allow_dotted=self.allow_dotted_paths
             )
             object.__setattr__(self, kind, resolved)
+        object.__setattr__(self, "drafters", resolve_drafters(self.drafters))
 
     def component(self, kind: ComponentKind) -> ComponentConfig:
         """The planner, cost model or proxy section by kind name."""
@@ -236,6 +305,16 @@ class DecoderConfig:
             )
         return data
 
+    def params_sections(self) -> dict[str, Any]:
+        """Dotted section name -> the attrs params it holds (``"planner"``,
+        ``"drafters.lookup"``, ``"sampling"``)."""
+        sections: dict[str, Any] = {
+            kind: self.component(kind).params for kind in COMPONENT_REGISTRIES
+        }
+        sections.update({f"drafters.{name}": params for name, params in self.drafters.items()})
+        sections["sampling"] = self.sampling
+        return sections
+
     def to_toml(self) -> str:
         """The TOML text of :meth:`to_dict`; :func:`load_config` reads it back equal.
 
@@ -244,14 +323,13 @@ class DecoderConfig:
         fields read back as None.
         """
         data = self.to_dict()
-        sections: dict[str, Any] = {
-            kind: self.component(kind).params for kind in COMPONENT_REGISTRIES
-        }
-        sections["sampling"] = self.sampling
-        for key, params in sections.items():
+        for key, params in self.params_sections().items():
+            table = data
+            for part in key.split("."):
+                table = table[part]
             for field in attrs.fields(type(params)):
                 if getattr(params, field.name) is None and field.default is None:
-                    del data[key][field.name]
+                    del table[field.name]
         return to_toml(data)
 
     @classmethod
@@ -278,6 +356,8 @@ class DecoderConfig:
                 kwargs[kind] = component_from_dict(
                     kind, data[kind], allow_dotted=allow_dotted, default_name=default_name
                 )
+        if "drafters" in data:
+            kwargs["drafters"] = resolve_drafters(data["drafters"])
         if "sampling" in data:
             kwargs["sampling"] = build_attrs(SamplingParams, data["sampling"], "sampling")
         hints = type_hints(cls)
@@ -317,4 +397,5 @@ __all__ = [
     "component_to_dict",
     "load_builtin_components",
     "resolve_component",
+    "resolve_drafters",
 ]

@@ -31,27 +31,34 @@ def _toml_value(value: Any) -> str:
 
 
 def to_toml(data: Mapping[str, Any]) -> str:
-    """Serialise the flat dict form (scalars, lists, one level of tables) as TOML.
+    """Serialise the flat dict form (scalars, lists, tables and tables of tables) as TOML.
 
     A tiny writer is enough for this shape (the stdlib reads TOML but cannot write it).
     TOML has no null: None is written as the string ``"none"``, which an optional
-    non-string field reads back as None.
+    non-string field reads back as None. A table's own keys come before its sub-tables
+    (``[drafters.lookup]``), as TOML requires.
     """
     lines: list[str] = []
-    tables: list[tuple[str, Mapping[str, Any]]] = []
-    for key, value in data.items():
-        if isinstance(value, Mapping):
-            tables.append((key, value))
-        else:
-            lines.append(f"{key} = {_toml_value(value)}")
-    for key, table in tables:
-        lines.append("")
-        lines.append(f"[{key}]")
-        for inner_key, inner_value in table.items():
-            if isinstance(inner_value, Mapping):
-                raise ConfigError(f"{key}.{inner_key}: nested tables are not supported")
-            lines.append(f"{inner_key} = {_toml_value(inner_value)}")
+    _write_table(lines, "", data)
     return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _write_table(lines: list[str], name: str, table: Mapping[str, Any]) -> None:
+    tables: list[tuple[str, Mapping[str, Any]]] = []
+    values: list[str] = []
+    for key, value in table.items():
+        if not isinstance(key, str) or not key.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(f"{name or 'config'}: cannot write key {key!r} to TOML")
+        if isinstance(value, Mapping):
+            tables.append((f"{name}.{key}" if name else key, value))
+        else:
+            values.append(f"{key} = {_toml_value(value)}")
+    # A table holding only sub-tables needs no header of its own ([drafters.lookup]).
+    if name and (values or not tables):
+        lines += ["", f"[{name}]"]
+    lines += values
+    for inner_name, inner in tables:
+        _write_table(lines, inner_name, inner)
 
 
 __all__ = ["to_toml"]

@@ -24,12 +24,11 @@ import attrs
 import torch
 from torch import nn
 
-from knapspec.config import DecoderConfig, as_decoder_config, build_components
+from knapspec.config import DecoderConfig, as_decoder_config, build_components, build_drafters
 from knapspec.costmodels.base import CostModel, LatencyObservation
 from knapspec.decoding.stats import GenerationStats, PlanRecord
 from knapspec.decoding.verify import check_finite, verify_greedy, verify_sampling
 from knapspec.drafters.base import NO_DRAFT, SUBNETWORK, Draft, Drafter, Verification
-from knapspec.drafters.lookup import LookupDrafter
 from knapspec.drafters.subnetwork import SubnetworkDrafter
 from knapspec.model.engine import ContextLengthError, SublayerEngine
 from knapspec.planners.base import Planner, PlanningContext
@@ -141,8 +140,11 @@ class SpeculativeDecoder:
         self._window = WindowBuffer(self.config.window_rounds, self.config.window_max_tokens)
         self._cache = self.engine.new_cache(256)
         self._subnetwork = SubnetworkDrafter()
-        #: Drafters that propose before planning, offered to planners that ask for them.
-        self.drafters: list[Drafter] = [LookupDrafter()]
+        #: The drafters whose proposals the planner reads before planning (its
+        #: ``proposal_drafters()``), built from their ``[drafters.NAME]`` params.
+        self.drafters: list[Drafter] = build_drafters(
+            self.config, self.engine, self.planner.proposal_drafters()
+        )
         # generate() uses the cache and window above: one call at a time.
         self._lock = threading.Lock()
 

@@ -20,64 +20,92 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from collections.abc import Sequence
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
+from knapspec.validators import at_least, interval
+
 FloatArray = npt.NDArray[np.float64]
 
 
-def _unit_interval(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not 0.0 < value <= 1.0:
-        raise ValueError(f"{attribute.name} must be in (0, 1], got {value}")
-
-
-def _priors(
-    instance: LookupAcceptanceConfig,
-    attribute: attrs.Attribute[tuple[float, ...]],
-    value: tuple[float, ...],
+def _probabilities(
+    instance: object, attribute: attrs.Attribute[tuple[float, ...]], value: tuple[float, ...]
 ) -> None:
-    priors = tuple(value)
-    if len(priors) != len(instance.match_edges):
+    if not value or not all(isinstance(p, (int, float)) and 0.0 < p < 1.0 for p in value):
         raise ValueError(
-            f"prior_acceptance needs one value per match-length bucket "
-            f"({len(instance.match_edges)}), got {len(priors)}"
+            f"{attribute.name} must be a non-empty list of values in (0, 1), got {list(value)}"
         )
-    if not all(0.0 < p < 1.0 for p in priors):
-        raise ValueError(f"prior_acceptance values must be in (0, 1), got {priors}")
 
 
-def _edges(
+def _rising_edges(
     instance: object, attribute: attrs.Attribute[tuple[int, ...]], value: tuple[int, ...]
 ) -> None:
     edges = tuple(value)
-    if not edges or edges[0] != 1 or any(b <= a for a, b in itertools.pairwise(edges)):
-        raise ValueError(f"match_edges must rise strictly from 1, got {edges}")
+    integers = all(isinstance(e, int) and not isinstance(e, bool) for e in edges)
+    if (
+        not edges
+        or not integers
+        or edges[0] != 1
+        or any(b <= a for a, b in itertools.pairwise(edges))
+    ):
+        raise ValueError(
+            f"{attribute.name} must be integers rising strictly from 1, got {list(edges)}"
+        )
+
+
+def check_priors_match_buckets(
+    edges: Sequence[int], priors: Sequence[float], edges_name: str, priors_name: str
+) -> None:
+    """One prior per match-length bucket (a check across two fields, so not a validator)."""
+    if len(priors) != len(edges):
+        raise ValueError(
+            f"{priors_name} needs one value per match-length bucket of {edges_name} "
+            f"({len(edges)}: {list(edges)}), got {len(priors)}"
+        )
 
 
 @attrs.frozen
 class LookupAcceptanceConfig:
     """Hyper-parameters of :class:`LookupAcceptance`.
 
+    In a config file they are the knapsack planner's ``lookup_*`` fields (the planner
+    prices lookup drafts with them): ``planner.lookup_prior_acceptance`` and so on.
+
     Attributes:
-        match_edges: lower edges of the match-length buckets (rising, from 1).
-        prior_acceptance: per bucket, the prior per-token acceptance.
-        prior_strength: pseudo-trials of the prior in a bucket's pooled rate.
-        position_strength: pseudo-trials of the pooled rate in each position's rate.
-        decay: every observed round multiplies all counts by this (1 = never forget).
-        max_positions: draft positions tracked separately (later ones share the last).
+        match_edges: lower edges of the match-length buckets (integers rising strictly
+            from 1; ``(1, 2, 4)`` gives the buckets 1, 2-3 and 4+ matched tokens).
+        prior_acceptance: per bucket, the prior per-token acceptance (each in (0, 1); one
+            value per edge).
+        prior_strength: pseudo-trials of the prior in a bucket's pooled rate (> 0).
+        position_strength: pseudo-trials of the pooled rate in each position's rate (> 0).
+        decay: every observed round multiplies all counts by this, in (0, 1] (1 = never
+            forget).
+        max_positions: draft positions tracked separately (>= 1; later ones share the last).
     """
 
-    match_edges: tuple[int, ...] = attrs.field(default=(1, 2, 3, 4, 8, 16), validator=_edges)
-    prior_acceptance: tuple[float, ...] = attrs.field(
-        default=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8), validator=_priors
+    match_edges: tuple[int, ...] = attrs.field(
+        default=(1, 2, 3, 4, 8, 16), converter=tuple, validator=_rising_edges
     )
-    prior_strength: float = attrs.field(default=2.0, validator=attrs.validators.gt(0.0))
-    position_strength: float = attrs.field(default=2.0, validator=attrs.validators.gt(0.0))
-    decay: float = attrs.field(default=0.99, validator=_unit_interval)
-    max_positions: int = attrs.field(default=16, validator=attrs.validators.ge(1))
+    prior_acceptance: tuple[float, ...] = attrs.field(
+        default=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8), converter=tuple, validator=_probabilities
+    )
+    prior_strength: float = attrs.field(
+        default=2.0, validator=interval(0.0, math.inf, low_open=True)
+    )
+    position_strength: float = attrs.field(
+        default=2.0, validator=interval(0.0, math.inf, low_open=True)
+    )
+    decay: float = attrs.field(default=0.99, validator=interval(0.0, 1.0, low_open=True))
+    max_positions: int = attrs.field(default=16, validator=at_least(1))
+
+    def __attrs_post_init__(self) -> None:
+        check_priors_match_buckets(
+            self.match_edges, self.prior_acceptance, "match_edges", "prior_acceptance"
+        )
 
 
 def hindsight_matches(proposal: Sequence[int], committed: Sequence[int]) -> tuple[int, bool]:
@@ -159,4 +187,9 @@ class LookupAcceptance:
         self.streak_ = bool(proposal) and bool(committed) and not rejected
 
 
-__all__ = ["LookupAcceptance", "LookupAcceptanceConfig", "hindsight_matches"]
+__all__ = [
+    "LookupAcceptance",
+    "LookupAcceptanceConfig",
+    "check_priors_match_buckets",
+    "hindsight_matches",
+]

@@ -26,6 +26,7 @@ from collections import defaultdict
 import attrs
 
 from knapspec.drafters.base import DRAFTERS, LOOKUP, Draft, Drafter
+from knapspec.validators import at_least
 
 
 @attrs.frozen
@@ -42,10 +43,10 @@ class LookupConfig:
         max_tokens: the longest continuation proposed (>= 1); the decoder's D caps it too.
     """
 
-    max_ngram: int = attrs.field(default=4, validator=attrs.validators.ge(1))
-    max_candidates: int = attrs.field(default=8, validator=attrs.validators.ge(1))
-    max_match: int = attrs.field(default=32, validator=attrs.validators.ge(1))
-    max_tokens: int = attrs.field(default=16, validator=attrs.validators.ge(1))
+    max_ngram: int = attrs.field(default=4, validator=at_least(1))
+    max_candidates: int = attrs.field(default=8, validator=at_least(1))
+    max_match: int = attrs.field(default=32, validator=at_least(1))
+    max_tokens: int = attrs.field(default=16, validator=at_least(1))
 
     def __attrs_post_init__(self) -> None:
         if self.max_match < self.max_ngram:

@@ -36,6 +36,7 @@ import attrs
 import numpy as np
 import torch
 
+from knapspec.drafters.acceptance import LookupAcceptanceConfig, check_priors_match_buckets
 from knapspec.drafters.base import LOOKUP, SUBNETWORK
 from knapspec.planners.base import PLANNERS, Planner, PlanningContext
 from knapspec.planners.copying import CopyTracker
@@ -78,6 +79,16 @@ def _replan_field(name: str) -> Any:
     return attrs.field(default=field.default, validator=field.validator)
 
 
+_ACCEPTANCE_FIELDS = attrs.fields_dict(LookupAcceptanceConfig)
+
+
+def _acceptance_field(name: str) -> Any:
+    """The lookup acceptance setting ``name`` (``lookup_`` + a
+    :class:`LookupAcceptanceConfig` field), with its default, converter and validator."""
+    field = _ACCEPTANCE_FIELDS[name]
+    return attrs.field(default=field.default, converter=field.converter, validator=field.validator)
+
+
 #: The drafter families the knapsack planner can search over.
 DRAFTER_FAMILIES = (SUBNETWORK, LOOKUP)
 
@@ -105,6 +116,18 @@ class KnapsackPlannerConfig:
             tuple is plain decoding.
         lookup_min_speedup: a lookup draft is taken only when its predicted TPT is at least
             this times a plain step's (and at least the sub-network plan's).
+        lookup_match_edges: lower edges of the match-length buckets of the online lookup
+            acceptance estimates (integers rising strictly from 1; ``[1, 2, 4]``: 1, 2-3
+            and 4+ matched tokens); see
+            :class:`~knapspec.drafters.acceptance.LookupAcceptanceConfig`.
+        lookup_prior_acceptance: per bucket, the prior per-token acceptance of a lookup
+            draft, each in (0, 1) (one value per edge of ``lookup_match_edges``).
+        lookup_prior_strength: pseudo-trials of the prior in a bucket's pooled rate (> 0).
+        lookup_position_strength: pseudo-trials of the pooled rate in each draft
+            position's rate (> 0).
+        lookup_decay: every observed round multiplies the acceptance counts by this, in
+            (0, 1] (1 = never forget).
+        lookup_max_positions: draft positions whose acceptance is tracked separately (>= 1).
         tau: DP pruning threshold τ on the value (cosine); None disables pruning.
         budget_fraction: the half-budget bound — skip at most this fraction of the weight.
         max_budget: an absolute cap on the skipped weight (None: only the fraction). The
@@ -150,6 +173,12 @@ class KnapsackPlannerConfig:
         default=DRAFTER_FAMILIES, converter=tuple, validator=_drafter_names
     )
     lookup_min_speedup: float = attrs.field(default=1.0, validator=interval(1.0, math.inf))
+    lookup_match_edges: tuple[int, ...] = _acceptance_field("match_edges")
+    lookup_prior_acceptance: tuple[float, ...] = _acceptance_field("prior_acceptance")
+    lookup_prior_strength: float = _acceptance_field("prior_strength")
+    lookup_position_strength: float = _acceptance_field("position_strength")
+    lookup_decay: float = _acceptance_field("decay")
+    lookup_max_positions: int = _acceptance_field("max_positions")
     tau: float | None = attrs.field(default=0.5, validator=optional(cosine))
     budget_fraction: float = attrs.field(default=0.5, validator=unit_interval)
     max_budget: int | None = attrs.field(default=12, validator=optional(at_least(0)))
@@ -181,6 +210,20 @@ class KnapsackPlannerConfig:
     max_planning_fraction: float | None = _replan_field("max_planning_fraction")
     prior_trials: float = _replan_field("prior_trials")
     max_backoff: int = _replan_field("max_backoff")
+
+    def __attrs_post_init__(self) -> None:
+        check_priors_match_buckets(
+            self.lookup_match_edges,
+            self.lookup_prior_acceptance,
+            "lookup_match_edges",
+            "lookup_prior_acceptance",
+        )
+
+    def lookup_acceptance_config(self) -> LookupAcceptanceConfig:
+        """The ``lookup_*`` acceptance fields as a :class:`LookupAcceptanceConfig`."""
+        return LookupAcceptanceConfig(
+            **{name: getattr(self, f"lookup_{name}") for name in _ACCEPTANCE_FIELDS}
+        )
 
     def replan_config(self) -> ReplanConfig:
         """The re-planning fields as a :class:`ReplanConfig`."""
@@ -315,7 +358,7 @@ class KnapsackPlanner(Planner):
         self.last_reason_: ReplanReason | None = None
         self.gated_rounds_ = 0
         self._copying = CopyTracker(self.config.copy_ngram, self.config.copy_recent_tokens)
-        self._lookup = LookupPricing()
+        self._lookup = LookupPricing(self.config.lookup_acceptance_config())
         self.last_lookup_: LookupOption | None = None
 
     # ------------------------------------------------------------- Planner API

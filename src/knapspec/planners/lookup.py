@@ -8,7 +8,9 @@ acceptance estimates (:class:`~knapspec.drafters.acceptance.LookupAcceptance`) a
 cuts, so a proposal that does not pay is not drafted.
 
 :class:`LookupPlanner` (``"lookup"``) is the ablation every paper on prompt lookup starts
-from: draft up to a fixed ``k`` lookup tokens whenever the suffix matches.
+from: draft up to a fixed ``k`` lookup tokens whenever the suffix matches. It drafts with
+any drafter that proposes before planning (``drafter``), so a new drafter can be tried
+with it before a planner prices it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from knapspec.drafters.base import LOOKUP
 from knapspec.planners.base import PLANNERS, Planner, PlanningContext
 from knapspec.planners.objective import FloatArray, best_chained_length
 from knapspec.types import DraftPlan, StepOutcome
+from knapspec.validators import at_least, non_empty_string
 
 if TYPE_CHECKING:
     from knapspec.costmodels.base import CostModel
@@ -113,15 +116,19 @@ class LookupPlannerConfig:
 
     Attributes:
         draft_length: k, the lookup tokens drafted whenever the suffix matches (>= 1).
+        drafter: the registered drafter whose proposals are drafted; it must propose
+            before planning (``"lookup"``, or a drafter of your own).
     """
 
-    draft_length: int = attrs.field(default=3, validator=attrs.validators.ge(1))
+    draft_length: int = attrs.field(default=3, validator=at_least(1))
+    drafter: str = attrs.field(default=LOOKUP, validator=non_empty_string)
 
 
 @PLANNERS.register("lookup")
 class LookupPlanner(Planner):
-    """Fixed-length prompt lookup: up to ``k`` lookup tokens every round with a match, no
-    pricing (the baseline the knapsack planner's TPT cut is compared against)."""
+    """Fixed-length prompt lookup: up to ``k`` tokens of the drafter's proposal every round
+    it proposes any, no pricing (the baseline the knapsack planner's TPT cut is compared
+    against)."""
 
     config_class = LookupPlannerConfig
     uses_window = False
@@ -130,22 +137,22 @@ class LookupPlanner(Planner):
         self.config = config if config is not None else LookupPlannerConfig()
 
     def proposal_drafters(self) -> frozenset[str]:
-        return frozenset({LOOKUP})
+        return frozenset({self.config.drafter})
 
     def plan(self, context: PlanningContext) -> DraftPlan:
         layers = context.engine.num_layers
-        proposal = context.proposal(LOOKUP)
+        proposal = context.proposal(self.config.drafter)
         if proposal is None or not proposal.tokens:
             return DraftPlan.autoregressive(layers, source="lookup")
         length = min(self.config.draft_length, len(proposal.tokens), context.max_draft_length)
-        return _lookup_plan(layers, length, "lookup")
+        return _fixed_plan(layers, length, self.config.drafter)
 
 
 @functools.lru_cache(maxsize=256)
-def _lookup_plan(num_layers: int, draft_length: int, source: str) -> DraftPlan:
-    """A lookup plan (plans are immutable and shared, like the γ = 0 plan)."""
-    base = DraftPlan.autoregressive(num_layers, source=source)
-    return attrs.evolve(base, draft_length=draft_length, drafter=LOOKUP)
+def _fixed_plan(num_layers: int, draft_length: int, drafter: str) -> DraftPlan:
+    """A fixed-length plan (plans are immutable and shared, like the γ = 0 plan)."""
+    base = DraftPlan.autoregressive(num_layers, source="lookup")
+    return attrs.evolve(base, draft_length=draft_length, drafter=drafter)
 
 
 def lookup_plan(
