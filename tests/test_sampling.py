@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import knapspec.decoding.decoder as decoder_module
+import knapspec.decoding.run as run_module
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.decoding.verify import Verdict, residual_distribution, verify_sampling
 from knapspec.planners import LookupPlanner, StaticPlanner
@@ -182,7 +182,7 @@ def test_the_chi_square_check_has_power_against_a_lossy_sampler(
         bonus = int(torch.multinomial(target_probs[len(drafts)], 1, generator=generator))
         return Verdict(len(drafts), [*drafts, bonus])
 
-    monkeypatch.setattr(decoder_module, "verify_sampling", accept_everything)
+    monkeypatch.setattr(run_module, "verify_sampling", accept_everything)
     params = SamplingParams(do_sample=True, temperature=1.0)
     model = _small_vocab_model()
     decoder = SpeculativeDecoder(

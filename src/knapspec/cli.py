@@ -133,6 +133,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the completion token by token as it is committed",
     )
     generate.add_argument(
+        "--prompts-file",
+        metavar="FILE",
+        type=Path,
+        help="decode many prompts: a JSONL file, one prompt a line (a JSON string or "
+        '{"prompt": ..., "id": ...}); writes one JSON line per prompt (completion, stop '
+        "reason, token counts) in input order",
+    )
+    generate.add_argument(
+        "--batch-size",
+        metavar="B",
+        type=positive_int,
+        default=8,
+        help="with --prompts-file, prompts decoded together in one batch. Default: %(default)s.",
+    )
+    generate.add_argument(
+        "--output",
+        metavar="FILE",
+        type=Path,
+        help="with --prompts-file, write the JSON lines to FILE instead of stdout",
+    )
+    generate.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object {completion, stats, config} on stdout instead of the "
@@ -372,6 +393,10 @@ def _import_decoder() -> Any:
 # ------------------------------------------------------------------------ commands
 def _cmd_generate(args: argparse.Namespace, extra: Sequence[str]) -> int:
     config = load_decoder_config(args.config, args.overrides)
+    if args.prompts_file is not None:
+        return _generate_prompts_file(args, config)
+    if args.output is not None:
+        raise UsageError("--output is for --prompts-file; the completion goes to stdout")
     prompt = _read_prompt(args)
     model, tokenizer = _load_model(args.model)
     input_ids = _encode_prompt(tokenizer, prompt, args.chat)
@@ -410,6 +435,29 @@ def _cmd_generate(args: argparse.Namespace, extra: Sequence[str]) -> int:
         print(_summary_line(result.stats), file=sys.stderr)
         if comparison is not None:
             print(_comparison_lines(comparison), file=sys.stderr)
+    return 0
+
+
+def _generate_prompts_file(args: argparse.Namespace, config: DecoderConfig) -> int:
+    """``--prompts-file``: decode every prompt of a JSONL file in batches, JSONL out."""
+    from knapspec.cli_batch import generate_file, read_prompts
+
+    for option in ("prompt", "prompt_file", "compare", "stream", "json"):
+        if getattr(args, option):
+            flag = "--" + option.replace("_", "-")
+            raise UsageError(f"{flag} cannot be combined with --prompts-file")
+    prompts = read_prompts(args.prompts_file, UsageError)
+    model, tokenizer = _load_model(args.model)
+    decoder = _import_decoder().from_config(model, config)
+    generate_file(
+        decoder,
+        tokenizer,
+        prompts,
+        lambda text: _encode_prompt(tokenizer, text, args.chat),
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        output=args.output,
+    )
     return 0
 
 

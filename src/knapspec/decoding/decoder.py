@@ -1,6 +1,6 @@
-"""The speculative decoding loop: plan, draft with a sub-network, verify, commit.
+"""The speculative decoder: settings, components, and ``generate``.
 
-One round (batch size 1)::
+One round of a single sequence (the loop lives in :mod:`knapspec.decoding.run`)::
 
     plan  = planner.plan(context)                  # mask S and draft length γ
     draft = up to γ tokens with f^(S), stopping when the draft's top-1 prob < τ_conf
@@ -8,61 +8,49 @@ One round (batch size 1)::
     commit the accepted prefix + one target token; crop every layer's cache
 
 A plan with γ = 0 is a plain autoregressive step. Greedy output equals the target's greedy
-output token for token; sampled output is distributed exactly as the target's.
+output token for token; sampled output is distributed exactly as the target's. Several
+prompts at once run in :mod:`knapspec.decoding.batch` (lookup drafts per row, ragged
+acceptance); a single prompt never takes that path.
 """
 
 from __future__ import annotations
 
-import numbers
 import os
 import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, overload
 
 import attrs
 import torch
 from torch import nn
 
 from knapspec.config import DecoderConfig, as_decoder_config, build_components, build_drafters
-from knapspec.costmodels.base import CostModel, LatencyObservation
-from knapspec.decoding.stats import GenerationStats, PlanRecord
-from knapspec.decoding.verify import check_finite, verify_greedy, verify_sampling
-from knapspec.drafters.base import NO_DRAFT, SUBNETWORK, Draft, Drafter, Verification
+from knapspec.costmodels.base import CostModel
+from knapspec.decoding.arguments import (
+    is_batch,
+    new_token_limit,
+    row_generators,
+    sampling_params,
+    stop_set,
+)
+from knapspec.decoding.batch import BatchGenerationResult, BatchRun, batch_prompts
+from knapspec.decoding.batch_policy import (
+    BatchDraftPolicy,
+    CostModelBatchPolicy,
+    PlainBatchPolicy,
+)
+from knapspec.decoding.run import GenerationResult, LogitsProcessor, Run
+from knapspec.drafters.base import LOOKUP, Drafter
+from knapspec.drafters.lookup import LookupDrafter
 from knapspec.drafters.subnetwork import SubnetworkDrafter
 from knapspec.model.engine import ContextLengthError, SublayerEngine
-from knapspec.planners.base import Planner, PlanningContext
+from knapspec.planners.base import Planner
 from knapspec.proxies.base import ValueProxy
-from knapspec.sampling import SamplingParams, processed_probs, sample_token
-from knapspec.types import DraftPlan, StepOutcome, SublayerMask
+from knapspec.sampling import SamplingParams
 from knapspec.window import WindowBuffer
 
 if TYPE_CHECKING:
     from transformers.generation.streamers import BaseStreamer
-
-
-@attrs.frozen
-class GenerationResult:
-    """Output of :meth:`SpeculativeDecoder.generate`.
-
-    Attributes:
-        tokens: ``(new,)`` generated token ids.
-        sequences: ``(1, prompt + new)`` prompt and generated ids, as ``model.generate``.
-        stats: counters and timers of the call.
-    """
-
-    tokens: torch.Tensor
-    sequences: torch.Tensor
-    stats: GenerationStats
-
-
-#: ``(input_ids (1, t), scores (1, vocab)) -> scores``: a transformers ``LogitsProcessorList``
-#: or any callable of that shape.
-LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-#: Prompt tokens whose hidden states seed the reference window after prefill, so the first
-#: plan can be made right away instead of after several full-model rounds.
-PREFILL_WINDOW_TOKENS = 8
 
 
 class SpeculativeDecoder:
@@ -160,21 +148,65 @@ class SpeculativeDecoder:
         return cls(model, config)
 
     # ------------------------------------------------------------------ API
-    @torch.inference_mode()
+    @overload
     def generate(
         self,
         input_ids: torch.Tensor | Sequence[int],
         *,
+        attention_mask: None = None,
         max_new_tokens: int = 128,
         eos_token_id: int | Sequence[int] | None = None,
         sampling: SamplingParams | Mapping[str, Any] | None = None,
         streamer: BaseStreamer | None = None,
         logits_processor: LogitsProcessor | None = None,
-    ) -> GenerationResult:
+    ) -> GenerationResult: ...
+
+    @overload
+    def generate(
+        self,
+        input_ids: Sequence[Sequence[int] | torch.Tensor],
+        *,
+        attention_mask: None = None,
+        max_new_tokens: int = 128,
+        eos_token_id: int | Sequence[int] | None = None,
+        sampling: SamplingParams | Mapping[str, Any] | None = None,
+        streamer: BaseStreamer | None = None,
+        logits_processor: LogitsProcessor | None = None,
+    ) -> BatchGenerationResult: ...
+
+    @overload
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor,
+        max_new_tokens: int = 128,
+        eos_token_id: int | Sequence[int] | None = None,
+        sampling: SamplingParams | Mapping[str, Any] | None = None,
+        streamer: BaseStreamer | None = None,
+        logits_processor: LogitsProcessor | None = None,
+    ) -> BatchGenerationResult: ...
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int] | torch.Tensor],
+        *,
+        attention_mask: torch.Tensor | None = None,
+        max_new_tokens: int = 128,
+        eos_token_id: int | Sequence[int] | None = None,
+        sampling: SamplingParams | Mapping[str, Any] | None = None,
+        streamer: BaseStreamer | None = None,
+        logits_processor: LogitsProcessor | None = None,
+    ) -> GenerationResult | BatchGenerationResult:
         """Generate up to ``max_new_tokens`` tokens after ``input_ids``.
 
         Args:
-            input_ids: ``(n,)`` or ``(1, n)`` prompt token ids (batch size 1).
+            input_ids: ``(n,)`` or ``(1, n)`` prompt token ids; or a batch (then the result
+                is a :class:`BatchGenerationResult`, see :meth:`generate_batch`): a
+                ``(B, n)`` tensor with ``attention_mask``, or a list of token sequences.
+            attention_mask: ``(B, n)``, 1 for tokens and 0 for left padding: marks
+                ``input_ids`` as a batch.
             max_new_tokens: an integer >= 1 (numpy integers too).
             eos_token_id: token id(s) that end generation (included in the output): an
                 integer (numpy integers too), a sequence of them or a tensor.
@@ -194,22 +226,29 @@ class SpeculativeDecoder:
 
         Raises:
             TypeError: an argument of the wrong type (the message names it).
-            ValueError: batch > 1, empty prompt, ``max_new_tokens < 1``.
+            ValueError: a ``(B, n)`` tensor with ``B > 1`` and no ``attention_mask``, empty
+                prompt, ``max_new_tokens < 1``; streamer or logits processor with a batch.
             ContextLengthError: prompt + ``max_new_tokens`` exceeds the model's context.
             NonFiniteLogitsError: the model produced NaN/inf logits.
         """
-        prompt = self._validate_prompt(input_ids)
-        if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool):
-            raise TypeError(
-                f"max_new_tokens must be an integer, got {type(max_new_tokens).__name__} "
-                f"{max_new_tokens!r}"
+        if attention_mask is not None or is_batch(input_ids):
+            if streamer is not None or logits_processor is not None:
+                raise ValueError(
+                    "streamer and logits_processor are not supported for a batch; decode "
+                    "one prompt at a time to use them"
+                )
+            return self.generate_batch(
+                input_ids,  # type: ignore[arg-type]
+                attention_mask,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos_token_id,
+                sampling=sampling,
             )
-        max_new_tokens = int(max_new_tokens)
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        prompt = self._validate_prompt(input_ids)  # type: ignore[arg-type]
+        max_new_tokens = new_token_limit(max_new_tokens)
         self.engine.check_context(prompt.numel() + max_new_tokens)
-        params = _sampling_params(sampling) if sampling is not None else self.sampling
-        stop_ids = _stop_set(eos_token_id)
+        params = sampling_params(sampling) if sampling is not None else self.sampling
+        stop_ids = stop_set(eos_token_id)
         if logits_processor is not None and not callable(logits_processor):
             raise TypeError(
                 "logits_processor must be a callable (input_ids, scores) -> scores, such as a "
@@ -219,6 +258,78 @@ class SpeculativeDecoder:
             return self._generate(
                 prompt, max_new_tokens, stop_ids, params, streamer, logits_processor
             )
+
+    @torch.inference_mode()
+    def generate_batch(
+        self,
+        input_ids: torch.Tensor | Sequence[Sequence[int] | torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        *,
+        max_new_tokens: int = 128,
+        eos_token_id: int | Sequence[int] | None = None,
+        sampling: SamplingParams | Mapping[str, Any] | None = None,
+        seeds: Sequence[int] | None = None,
+        policy: BatchDraftPolicy | None = None,
+    ) -> BatchGenerationResult:
+        """Generate for several prompts at once (:mod:`knapspec.decoding.batch`).
+
+        Each row drafts its own lookup tokens (0 allowed) and keeps exactly its accepted
+        ones; rows that stop leave the batch's compute. Greedy rows equal each prompt
+        decoded alone. Layer-skipping sub-network drafts are not run in a batch.
+
+        Args:
+            input_ids: a ``(B, n)`` tensor (left-padded when ``attention_mask`` has zeros)
+                or a list of ``B`` token sequences of any lengths.
+            attention_mask: ``(B, n)``, 1 for tokens and 0 for left padding (tensor input
+                only; None: no padding).
+            max_new_tokens, eos_token_id, sampling: as :meth:`generate`, for every row.
+            seeds: per row, the seed of its sampling generator (default: ``sampling.seed
+                + row``, or drawn from torch's global RNG when no seed is set).
+            policy: each row's draft length per round (default: the batch-level TPT
+                search :class:`~knapspec.decoding.batch_policy.CostModelBatchPolicy`
+                when the planner uses lookup proposals and a cost model exists, else
+                plain batched decoding).
+
+        Raises:
+            ValueError: naming the row: mask shape, right padding, an empty row, ids out
+                of range; ``max_new_tokens < 1``.
+            ContextLengthError: naming the row whose prompt + ``max_new_tokens`` exceeds
+                the model's context.
+        """
+        prompts = batch_prompts(input_ids, attention_mask, self.engine.vocab_size)
+        limit = new_token_limit(max_new_tokens)
+        for row, prompt in enumerate(prompts):
+            if prompt.numel() + limit > self.engine.max_context:
+                raise ContextLengthError(
+                    f"row {row}: {prompt.numel()} prompt tokens + max_new_tokens {limit} exceed "
+                    f"the model's context of {self.engine.max_context} tokens"
+                )
+        params = sampling_params(sampling) if sampling is not None else self.sampling
+        stop_ids = stop_set(eos_token_id)
+        generators = row_generators(params, len(prompts), seeds, self.engine.device)
+        if policy is None:
+            uses_lookup = LOOKUP in self.planner.proposal_drafters()
+            policy = (
+                CostModelBatchPolicy(self.cost_model, self.max_draft_length)
+                if uses_lookup and self.cost_model is not None
+                else PlainBatchPolicy()
+            )
+        lookup = next((d for d in self.drafters if isinstance(d, LookupDrafter)), None)
+        with self._lock:
+            run = BatchRun(
+                self.engine,
+                self._cache,
+                prompts,
+                max_new_tokens=limit,
+                stop_ids=stop_ids,
+                params=params,
+                policy=policy,
+                max_draft_length=self.max_draft_length,
+                lookup=lookup,
+                cost_model=self.cost_model,
+                generators=generators,
+            )
+            return run.execute()
 
     def _generate(
         self,
@@ -238,7 +349,7 @@ class SpeculativeDecoder:
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
             generator.manual_seed(seed)
-        run = _Run(
+        run = Run(
             self, prompt, max_new_tokens, stop_ids, params, generator, streamer, logits_processor
         )
         return run.execute()
@@ -248,8 +359,9 @@ class SpeculativeDecoder:
         if ids.dim() == 2:
             if ids.shape[0] != 1:
                 raise ValueError(
-                    f"batch size {ids.shape[0]} is not supported: SpeculativeDecoder decodes one "
-                    f"sequence at a time (pass input_ids of shape (1, n))"
+                    f"input_ids has {ids.shape[0]} rows: pass attention_mask "
+                    f"(torch.ones_like(input_ids) for a batch without padding) or a list of "
+                    f"sequences for a batch, or call generate_batch"
                 )
             ids = ids[0]
         if ids.dim() != 1:
@@ -263,339 +375,6 @@ class SpeculativeDecoder:
                 f"token ids must be in [0, {self.engine.vocab_size}); got out-of-range ids"
             )
         return ids.to(device=self.engine.device, dtype=torch.long)
-
-
-def _sampling_params(sampling: SamplingParams | Mapping[str, Any]) -> SamplingParams:
-    """``sampling`` as :class:`SamplingParams` (a dict gives its fields)."""
-    if isinstance(sampling, SamplingParams):
-        return sampling
-    if isinstance(sampling, Mapping):
-        fields = {field.name for field in attrs.fields(SamplingParams)}
-        unknown = sorted(str(key) for key in sampling if key not in fields)
-        if unknown:
-            raise TypeError(
-                f"sampling: unknown field(s) {', '.join(unknown)}; valid: {', '.join(fields)}"
-            )
-        return SamplingParams(**sampling)
-    raise TypeError(
-        f"sampling must be a SamplingParams or a dict of its fields, got {type(sampling).__name__}"
-    )
-
-
-def _stop_set(eos_token_id: int | Sequence[int] | torch.Tensor | None) -> frozenset[int]:
-    if eos_token_id is None:
-        return frozenset()
-    if isinstance(eos_token_id, torch.Tensor):
-        values: list[Any] = eos_token_id.flatten().tolist()
-    elif isinstance(eos_token_id, (str, bytes)) or not isinstance(eos_token_id, Sequence):
-        values = [eos_token_id]
-    else:
-        values = list(eos_token_id)
-    for value in values:
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-            raise TypeError(
-                f"eos_token_id must be a token id (an integer), a sequence of them or a "
-                f"tensor; got {type(value).__name__} {value!r}"
-            )
-    return frozenset(int(value) for value in values)
-
-
-class _Run:
-    """State of one ``generate`` call. Everything is reset per call, so an exception
-    mid-generation leaves the decoder usable."""
-
-    def __init__(
-        self,
-        decoder: SpeculativeDecoder,
-        prompt: torch.Tensor,
-        max_new_tokens: int,
-        stop_ids: frozenset[int],
-        params: SamplingParams,
-        generator: torch.Generator | None,
-        streamer: BaseStreamer | None,
-        logits_processor: LogitsProcessor | None = None,
-    ) -> None:
-        self.decoder = decoder
-        self.logits_processor = logits_processor
-        self.engine = decoder.engine
-        self.prompt = prompt
-        self.max_new_tokens = max_new_tokens
-        self.stop_ids = stop_ids
-        self.params = params
-        self.generator = generator
-        self.streamer = streamer
-        self.stats = GenerationStats(prompt_tokens=prompt.numel())
-        self.output: list[int] = []
-        self.cache = decoder._cache
-        self.uses_window = decoder.planner.uses_window
-        self.proposal_names = decoder.planner.proposal_drafters()
-        self.synchronize = self.engine.device.type == "cuda"
-
-    def _now(self) -> float:
-        if self.synchronize:
-            torch.cuda.synchronize(self.engine.device)
-        return time.perf_counter()
-
-    def _process(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
-        """``(rows, vocab)`` logits through the call's logits processor (unchanged without).
-
-        Row ``j`` predicts the token after ``drafts[:j]``, so the processor sees the
-        committed sequence followed by those drafts: a draft step and the verification
-        row at the same position are processed identically.
-        """
-        if self.logits_processor is None:
-            return logits
-        committed = self.sequence[: self.prompt.numel() + len(self.output)]
-        rows = []
-        for j in range(logits.shape[0]):
-            prefix = torch.cat([committed, torch.tensor(drafts[:j], dtype=torch.long)])
-            row = logits[j : j + 1].float().clone()  # processors may write in place
-            rows.append(self.logits_processor(prefix.unsqueeze(0).to(logits.device), row))
-        return torch.cat(rows)
-
-    def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """Pick a token from ``logits (vocab,)``: argmax, or a sample from the processed p."""
-        if not self.params.do_sample:
-            return int(logits.argmax()), None
-        probs = processed_probs(logits, self.params)
-        return sample_token(probs, self.generator), probs
-
-    def execute(self) -> GenerationResult:
-        decoder, engine, cache, stats = self.decoder, self.engine, self.cache, self.stats
-        start_time = self._now()
-        cache.reset()
-        decoder._window.clear()
-        decoder.planner.reset()
-        if self.streamer is not None:
-            self.streamer.put(  # type: ignore[no-untyped-call]
-                self.prompt.unsqueeze(0).cpu()
-            )
-        n = self.prompt.numel()
-        cache.reserve(n + self.max_new_tokens + decoder.max_draft_length + 1)
-        # The prompt and committed tokens, for planners that read the token ids.
-        self.sequence = torch.empty(n + self.max_new_tokens, dtype=torch.long)
-        self.sequence[:n] = self.prompt.cpu()
-
-        capture = self._wants_window()
-        seed = min(PREFILL_WINDOW_TOKENS, n) if capture else None
-        out = engine.forward(
-            self.prompt,
-            0,
-            cache,
-            all_logits=False,
-            capture_points=capture,
-            capture_last=seed,
-        )
-        check_finite(out.logits, "prefill")
-        if out.points is not None and seed:
-            # Target tokens for the seed: the model's argmax after each seed token.
-            seed_logits = engine.logits(out.hidden[-seed:])
-            decoder._window.push(out.points, self.prompt[-seed:], seed_logits.argmax(-1), n - seed)
-        pending, _ = self._choose(self._process(out.logits[-1:], [])[0])
-        stats.prefill_time_s = self._now() - start_time
-        self._commit([pending])
-
-        round_index = 0
-        last_plan: DraftPlan | None = None
-        proposers = [d for d in decoder.drafters if d.registered_name in self.proposal_names]
-        for drafter in proposers:
-            drafter.reset(self.sequence[: n + 1].tolist())
-        while not self._finished():
-            plan_start = self._now()
-            room = min(
-                decoder.max_draft_length,
-                self.max_new_tokens - len(self.output) - 1,
-                engine.max_context - n - 1,
-            )
-            proposals = self._propose(proposers, max(0, room))
-            context = PlanningContext(
-                engine=engine,
-                cache=cache,
-                context_length=n,
-                window=decoder._window if self.uses_window else None,
-                cost_model=decoder.cost_model,
-                proxy=decoder.proxy,
-                max_draft_length=decoder.max_draft_length,
-                sampling=self.params,
-                round_index=round_index,
-                remaining_tokens=self.max_new_tokens - len(self.output),
-                tokens=self.sequence[: self.prompt.numel() + len(self.output)],
-                proposals=proposals,
-            )
-            plan = decoder.planner.plan(context)
-            stats.plan_time_s += self._now() - plan_start
-            if last_plan is None or _plan_key(plan) != _plan_key(last_plan):
-                self._record_plan(plan, round_index, n)
-                last_plan = plan
-            if plan.draft_length == 0 and plan.best_draft_speedup is not None:
-                best = stats.best_rejected_draft_speedup
-                stats.best_rejected_draft_speedup = max(best or 0.0, plan.best_draft_speedup)
-            budget = max(0, min(plan.draft_length, room))
-            draft = self._draft(plan, proposals, pending, n, budget)
-            verification = self._verify(pending, draft, n, self._wants_window())
-            accepted = verification.accepted
-            # Inputs at positions n .. n + accepted are now committed: keep their K/V only.
-            cache.crop(n + accepted + 1)
-            if verification.points is not None and verification.target_next is not None:
-                inputs = torch.tensor([pending, *draft.tokens[:accepted]], device=engine.device)
-                decoder._window.push(
-                    verification.points[:, : accepted + 1],
-                    inputs,
-                    verification.target_next[: accepted + 1],
-                    n,
-                )
-            n += accepted + 1
-            committed = self._commit(verification.tokens)
-            drafter_name = draft.drafter if draft.tokens else "none"
-            stats.record_round(
-                len(draft), accepted, committed, drafter_name, plan.predicted_acceptance
-            )
-            pending = verification.tokens[-1]
-            kept = verification.tokens[:committed]
-            for drafter in proposers:
-                drafter.extend(kept)
-            outcome = StepOutcome(
-                plan,
-                n,
-                len(draft),
-                accepted,
-                draft.seconds,
-                verification.seconds,
-                proposals=proposals,
-                committed_tokens=tuple(kept),
-            )
-            decoder.planner.update(outcome)
-            round_index += 1
-
-        stats.wall_time_s = self._now() - start_time
-        stats.new_tokens = len(self.output)
-        if self.streamer is not None:
-            self.streamer.end()  # type: ignore[no-untyped-call]
-        tokens = torch.tensor(self.output, dtype=torch.long)
-        sequences = torch.cat([self.prompt.cpu(), tokens]).unsqueeze(0)
-        return GenerationResult(tokens=tokens, sequences=sequences, stats=stats)
-
-    def _wants_window(self) -> bool:
-        """Whether the next full-model pass records the reference window."""
-        if not self.uses_window:
-            return False
-        committed = self.prompt.numel() + len(self.output)
-        return self.decoder.planner.wants_window(self.sequence[:committed])
-
-    def _finished(self) -> bool:
-        if len(self.output) >= self.max_new_tokens:
-            self.stats.stop_reason = self.stats.stop_reason or "max_new_tokens"
-            return True
-        return bool(self.stats.stop_reason)
-
-    def _commit(self, tokens: list[int]) -> int:
-        """Append tokens up to the limit / first stop token; stream them. Returns the count."""
-        room = self.max_new_tokens - len(self.output)
-        kept: list[int] = []
-        for token in tokens[:room]:
-            kept.append(token)
-            if token in self.stop_ids:
-                self.stats.stop_reason = "eos"
-                break
-        start = self.prompt.numel() + len(self.output)
-        self.sequence[start : start + len(kept)] = torch.tensor(kept, dtype=torch.long)
-        self.output.extend(kept)
-        if self.streamer is not None and kept:
-            self.streamer.put(torch.tensor(kept, dtype=torch.long))  # type: ignore[no-untyped-call]
-        return len(kept)
-
-    def _propose(self, proposers: list[Drafter], room: int) -> tuple[Draft, ...]:
-        """This round's proposals by the drafters the planner prices before planning."""
-        if not proposers:
-            return ()
-        started = self._now()
-        proposals = tuple(
-            drafter.propose(room)  # type: ignore[attr-defined]
-            for drafter in proposers
-        )
-        self.stats.lookup_time_s += self._now() - started
-        return proposals
-
-    def _draft(
-        self, plan: DraftPlan, proposals: tuple[Draft, ...], pending: int, n: int, budget: int
-    ) -> Draft:
-        """The plan's draft of up to ``budget`` tokens after ``pending`` (at position ``n``):
-        the chosen proposal cut to ``budget``, or the sub-network run under the plan's mask."""
-        if budget == 0:
-            return _NO_DRAFT
-        if plan.drafter != SUBNETWORK:
-            for proposal in proposals:
-                if proposal.drafter == plan.drafter:
-                    return proposal.truncated(budget)
-            raise RuntimeError(
-                f"the planner chose drafter {plan.drafter!r}, which proposed nothing this "
-                f"round (proposals: {[p.drafter for p in proposals]})"
-            )
-        draft = self.decoder._subnetwork.propose(
-            self.engine,
-            self.cache,
-            plan.mask,
-            pending,
-            n,
-            budget,
-            lambda logits, drafted: self._choose(self._process(logits[None], drafted)[0]),
-            confidence_threshold=self.decoder.confidence_threshold,
-            cost_model=self.decoder.cost_model,
-            clock=self._now,
-        )
-        self.stats.draft_time_s += draft.seconds
-        return draft
-
-    def _verify(self, pending: int, draft: Draft, n: int, capture: bool) -> Verification:
-        """One full forward over ``[pending, *draft]`` and the acceptance test; with
-        ``capture``, also the window data."""
-        engine = self.engine
-        verify_start = self._now()
-        inputs = torch.tensor([pending, *draft.tokens], device=engine.device)
-        out = engine.forward(inputs, n, self.cache, capture_points=capture)
-        check_finite(out.logits, "verification")
-        target_next = out.logits.argmax(dim=-1) if capture else None
-        drafts = list(draft.tokens)
-        scores = self._process(out.logits, drafts)
-        if self.params.do_sample:
-            target_probs = processed_probs(scores, self.params)
-            draft_probs = draft.draft_probs(target_probs.shape[-1], target_probs.device)
-            verdict = verify_sampling(drafts, draft_probs, target_probs, self.generator)
-        else:
-            verdict = verify_greedy(drafts, scores)
-        elapsed = self._now() - verify_start
-        self.stats.verify_time_s += elapsed
-        if self.decoder.cost_model is not None:
-            self.decoder.cost_model.observe(
-                LatencyObservation("verify", n, elapsed, len(drafts) + 1)
-            )
-        return Verification(verdict.accepted, verdict.tokens, elapsed, out.points, target_next)
-
-    def _record_plan(self, plan: DraftPlan, round_index: int, n: int) -> None:
-        skipped = plan.mask.skipped
-        self.stats.plans.append(
-            PlanRecord(
-                round_index=round_index,
-                context_length=n,
-                draft_length=plan.draft_length,
-                skipped_attention=sum(1 for i in skipped if i % 2 == 0),
-                skipped_mlp=sum(1 for i in skipped if i % 2 == 1),
-                skipped_items=skipped,
-                source=plan.source,
-                predicted_acceptance=plan.predicted_acceptance,
-                drafter=plan.drafter_used,
-            )
-        )
-
-
-#: The empty draft of a γ = 0 round.
-_NO_DRAFT = Draft((), NO_DRAFT)
-
-
-def _plan_key(plan: DraftPlan) -> tuple[str, int, SublayerMask]:
-    """What makes a plan a different plan in the stats: who drafts, how many, which mask
-    (a lookup plan's predictions change every round; recording each would flood them)."""
-    return plan.drafter_used, plan.draft_length, plan.mask
 
 
 __all__ = ["ContextLengthError", "GenerationResult", "SpeculativeDecoder"]

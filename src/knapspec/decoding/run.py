@@ -1,0 +1,353 @@
+"""One single-sequence ``generate`` call: prefill, then plan, draft, verify, commit.
+
+All per-call state lives in :class:`Run`, so an exception mid-generation leaves the
+decoder usable. :class:`~knapspec.decoding.decoder.SpeculativeDecoder` checks the
+arguments and builds one per call; batches run in :mod:`knapspec.decoding.batch`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+
+from knapspec.costmodels.base import LatencyObservation
+from knapspec.decoding.stats import GenerationStats, PlanRecord
+from knapspec.decoding.verify import check_finite, verify_greedy, verify_sampling
+from knapspec.drafters.base import NO_DRAFT, SUBNETWORK, Draft, Drafter, Verification
+from knapspec.planners.base import PlanningContext
+from knapspec.sampling import SamplingParams, processed_probs, sample_token
+from knapspec.types import DraftPlan, StepOutcome, SublayerMask
+
+if TYPE_CHECKING:
+    from transformers.generation.streamers import BaseStreamer
+
+    from knapspec.decoding.decoder import SpeculativeDecoder
+
+
+@attrs.frozen
+class GenerationResult:
+    """Output of :meth:`SpeculativeDecoder.generate`.
+
+    Attributes:
+        tokens: ``(new,)`` generated token ids.
+        sequences: ``(1, prompt + new)`` prompt and generated ids, as ``model.generate``.
+        stats: counters and timers of the call.
+    """
+
+    tokens: torch.Tensor
+    sequences: torch.Tensor
+    stats: GenerationStats
+
+
+#: ``(input_ids (1, t), scores (1, vocab)) -> scores``: a transformers ``LogitsProcessorList``
+#: or any callable of that shape.
+LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+#: Prompt tokens whose hidden states seed the reference window after prefill, so the first
+#: plan can be made right away instead of after several full-model rounds.
+PREFILL_WINDOW_TOKENS = 8
+
+
+class Run:
+    """State of one ``generate`` call. Everything is reset per call, so an exception
+    mid-generation leaves the decoder usable."""
+
+    def __init__(
+        self,
+        decoder: SpeculativeDecoder,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        stop_ids: frozenset[int],
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        streamer: BaseStreamer | None,
+        logits_processor: LogitsProcessor | None = None,
+    ) -> None:
+        self.decoder = decoder
+        self.logits_processor = logits_processor
+        self.engine = decoder.engine
+        self.prompt = prompt
+        self.max_new_tokens = max_new_tokens
+        self.stop_ids = stop_ids
+        self.params = params
+        self.generator = generator
+        self.streamer = streamer
+        self.stats = GenerationStats(prompt_tokens=prompt.numel())
+        self.output: list[int] = []
+        self.cache = decoder._cache
+        self.uses_window = decoder.planner.uses_window
+        self.proposal_names = decoder.planner.proposal_drafters()
+        self.synchronize = self.engine.device.type == "cuda"
+
+    def _now(self) -> float:
+        if self.synchronize:
+            torch.cuda.synchronize(self.engine.device)
+        return time.perf_counter()
+
+    def _process(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+        """``(rows, vocab)`` logits through the call's logits processor (unchanged without).
+
+        Row ``j`` predicts the token after ``drafts[:j]``, so the processor sees the
+        committed sequence followed by those drafts: a draft step and the verification
+        row at the same position are processed identically.
+        """
+        if self.logits_processor is None:
+            return logits
+        committed = self.sequence[: self.prompt.numel() + len(self.output)]
+        rows = []
+        for j in range(logits.shape[0]):
+            prefix = torch.cat([committed, torch.tensor(drafts[:j], dtype=torch.long)])
+            row = logits[j : j + 1].float().clone()  # processors may write in place
+            rows.append(self.logits_processor(prefix.unsqueeze(0).to(logits.device), row))
+        return torch.cat(rows)
+
+    def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """Pick a token from ``logits (vocab,)``: argmax, or a sample from the processed p."""
+        if not self.params.do_sample:
+            return int(logits.argmax()), None
+        probs = processed_probs(logits, self.params)
+        return sample_token(probs, self.generator), probs
+
+    def execute(self) -> GenerationResult:
+        decoder, engine, cache, stats = self.decoder, self.engine, self.cache, self.stats
+        start_time = self._now()
+        cache.reset()
+        decoder._window.clear()
+        decoder.planner.reset()
+        if self.streamer is not None:
+            self.streamer.put(  # type: ignore[no-untyped-call]
+                self.prompt.unsqueeze(0).cpu()
+            )
+        n = self.prompt.numel()
+        cache.reserve(n + self.max_new_tokens + decoder.max_draft_length + 1)
+        # The prompt and committed tokens, for planners that read the token ids.
+        self.sequence = torch.empty(n + self.max_new_tokens, dtype=torch.long)
+        self.sequence[:n] = self.prompt.cpu()
+
+        capture = self._wants_window()
+        seed = min(PREFILL_WINDOW_TOKENS, n) if capture else None
+        out = engine.forward(
+            self.prompt,
+            0,
+            cache,
+            all_logits=False,
+            capture_points=capture,
+            capture_last=seed,
+        )
+        check_finite(out.logits, "prefill")
+        if out.points is not None and seed:
+            # Target tokens for the seed: the model's argmax after each seed token.
+            seed_logits = engine.logits(out.hidden[-seed:])
+            decoder._window.push(out.points, self.prompt[-seed:], seed_logits.argmax(-1), n - seed)
+        pending, _ = self._choose(self._process(out.logits[-1:], [])[0])
+        stats.prefill_time_s = self._now() - start_time
+        self._commit([pending])
+
+        round_index = 0
+        last_plan: DraftPlan | None = None
+        proposers = [d for d in decoder.drafters if d.registered_name in self.proposal_names]
+        for drafter in proposers:
+            drafter.reset(self.sequence[: n + 1].tolist())
+        while not self._finished():
+            plan_start = self._now()
+            room = min(
+                decoder.max_draft_length,
+                self.max_new_tokens - len(self.output) - 1,
+                engine.max_context - n - 1,
+            )
+            proposals = self._propose(proposers, max(0, room))
+            context = PlanningContext(
+                engine=engine,
+                cache=cache,
+                context_length=n,
+                window=decoder._window if self.uses_window else None,
+                cost_model=decoder.cost_model,
+                proxy=decoder.proxy,
+                max_draft_length=decoder.max_draft_length,
+                sampling=self.params,
+                round_index=round_index,
+                remaining_tokens=self.max_new_tokens - len(self.output),
+                tokens=self.sequence[: self.prompt.numel() + len(self.output)],
+                proposals=proposals,
+            )
+            plan = decoder.planner.plan(context)
+            stats.plan_time_s += self._now() - plan_start
+            if last_plan is None or _plan_key(plan) != _plan_key(last_plan):
+                self._record_plan(plan, round_index, n)
+                last_plan = plan
+            if plan.draft_length == 0 and plan.best_draft_speedup is not None:
+                best = stats.best_rejected_draft_speedup
+                stats.best_rejected_draft_speedup = max(best or 0.0, plan.best_draft_speedup)
+            budget = max(0, min(plan.draft_length, room))
+            draft = self._draft(plan, proposals, pending, n, budget)
+            verification = self._verify(pending, draft, n, self._wants_window())
+            accepted = verification.accepted
+            # Inputs at positions n .. n + accepted are now committed: keep their K/V only.
+            cache.crop(n + accepted + 1)
+            if verification.points is not None and verification.target_next is not None:
+                inputs = torch.tensor([pending, *draft.tokens[:accepted]], device=engine.device)
+                decoder._window.push(
+                    verification.points[:, : accepted + 1],
+                    inputs,
+                    verification.target_next[: accepted + 1],
+                    n,
+                )
+            n += accepted + 1
+            committed = self._commit(verification.tokens)
+            drafter_name = draft.drafter if draft.tokens else "none"
+            stats.record_round(
+                len(draft), accepted, committed, drafter_name, plan.predicted_acceptance
+            )
+            pending = verification.tokens[-1]
+            kept = verification.tokens[:committed]
+            for drafter in proposers:
+                drafter.extend(kept)
+            outcome = StepOutcome(
+                plan,
+                n,
+                len(draft),
+                accepted,
+                draft.seconds,
+                verification.seconds,
+                proposals=proposals,
+                committed_tokens=tuple(kept),
+            )
+            decoder.planner.update(outcome)
+            round_index += 1
+
+        stats.wall_time_s = self._now() - start_time
+        stats.new_tokens = len(self.output)
+        if self.streamer is not None:
+            self.streamer.end()  # type: ignore[no-untyped-call]
+        tokens = torch.tensor(self.output, dtype=torch.long)
+        sequences = torch.cat([self.prompt.cpu(), tokens]).unsqueeze(0)
+        return GenerationResult(tokens=tokens, sequences=sequences, stats=stats)
+
+    def _wants_window(self) -> bool:
+        """Whether the next full-model pass records the reference window."""
+        if not self.uses_window:
+            return False
+        committed = self.prompt.numel() + len(self.output)
+        return self.decoder.planner.wants_window(self.sequence[:committed])
+
+    def _finished(self) -> bool:
+        if len(self.output) >= self.max_new_tokens:
+            self.stats.stop_reason = self.stats.stop_reason or "max_new_tokens"
+            return True
+        return bool(self.stats.stop_reason)
+
+    def _commit(self, tokens: list[int]) -> int:
+        """Append tokens up to the limit / first stop token; stream them. Returns the count."""
+        room = self.max_new_tokens - len(self.output)
+        kept: list[int] = []
+        for token in tokens[:room]:
+            kept.append(token)
+            if token in self.stop_ids:
+                self.stats.stop_reason = "eos"
+                break
+        start = self.prompt.numel() + len(self.output)
+        self.sequence[start : start + len(kept)] = torch.tensor(kept, dtype=torch.long)
+        self.output.extend(kept)
+        if self.streamer is not None and kept:
+            self.streamer.put(torch.tensor(kept, dtype=torch.long))  # type: ignore[no-untyped-call]
+        return len(kept)
+
+    def _propose(self, proposers: list[Drafter], room: int) -> tuple[Draft, ...]:
+        """This round's proposals by the drafters the planner prices before planning."""
+        if not proposers:
+            return ()
+        started = self._now()
+        proposals = tuple(
+            drafter.propose(room)  # type: ignore[attr-defined]
+            for drafter in proposers
+        )
+        self.stats.lookup_time_s += self._now() - started
+        return proposals
+
+    def _draft(
+        self, plan: DraftPlan, proposals: tuple[Draft, ...], pending: int, n: int, budget: int
+    ) -> Draft:
+        """The plan's draft of up to ``budget`` tokens after ``pending`` (at position ``n``):
+        the chosen proposal cut to ``budget``, or the sub-network run under the plan's mask."""
+        if budget == 0:
+            return _NO_DRAFT
+        if plan.drafter != SUBNETWORK:
+            for proposal in proposals:
+                if proposal.drafter == plan.drafter:
+                    return proposal.truncated(budget)
+            raise RuntimeError(
+                f"the planner chose drafter {plan.drafter!r}, which proposed nothing this "
+                f"round (proposals: {[p.drafter for p in proposals]})"
+            )
+        draft = self.decoder._subnetwork.propose(
+            self.engine,
+            self.cache,
+            plan.mask,
+            pending,
+            n,
+            budget,
+            lambda logits, drafted: self._choose(self._process(logits[None], drafted)[0]),
+            confidence_threshold=self.decoder.confidence_threshold,
+            cost_model=self.decoder.cost_model,
+            clock=self._now,
+        )
+        self.stats.draft_time_s += draft.seconds
+        return draft
+
+    def _verify(self, pending: int, draft: Draft, n: int, capture: bool) -> Verification:
+        """One full forward over ``[pending, *draft]`` and the acceptance test; with
+        ``capture``, also the window data."""
+        engine = self.engine
+        verify_start = self._now()
+        inputs = torch.tensor([pending, *draft.tokens], device=engine.device)
+        out = engine.forward(inputs, n, self.cache, capture_points=capture)
+        check_finite(out.logits, "verification")
+        target_next = out.logits.argmax(dim=-1) if capture else None
+        drafts = list(draft.tokens)
+        scores = self._process(out.logits, drafts)
+        if self.params.do_sample:
+            target_probs = processed_probs(scores, self.params)
+            draft_probs = draft.draft_probs(target_probs.shape[-1], target_probs.device)
+            verdict = verify_sampling(drafts, draft_probs, target_probs, self.generator)
+        else:
+            verdict = verify_greedy(drafts, scores)
+        elapsed = self._now() - verify_start
+        self.stats.verify_time_s += elapsed
+        if self.decoder.cost_model is not None:
+            self.decoder.cost_model.observe(
+                LatencyObservation("verify", n, elapsed, len(drafts) + 1)
+            )
+        return Verification(verdict.accepted, verdict.tokens, elapsed, out.points, target_next)
+
+    def _record_plan(self, plan: DraftPlan, round_index: int, n: int) -> None:
+        skipped = plan.mask.skipped
+        self.stats.plans.append(
+            PlanRecord(
+                round_index=round_index,
+                context_length=n,
+                draft_length=plan.draft_length,
+                skipped_attention=sum(1 for i in skipped if i % 2 == 0),
+                skipped_mlp=sum(1 for i in skipped if i % 2 == 1),
+                skipped_items=skipped,
+                source=plan.source,
+                predicted_acceptance=plan.predicted_acceptance,
+                drafter=plan.drafter_used,
+            )
+        )
+
+
+#: The empty draft of a γ = 0 round.
+_NO_DRAFT = Draft((), NO_DRAFT)
+
+
+def _plan_key(plan: DraftPlan) -> tuple[str, int, SublayerMask]:
+    """What makes a plan a different plan in the stats: who drafts, how many, which mask
+    (a lookup plan's predictions change every round; recording each would flood them)."""
+    return plan.drafter_used, plan.draft_length, plan.mask
+
+
+__all__ = ["PREFILL_WINDOW_TOKENS", "GenerationResult", "LogitsProcessor", "Run"]

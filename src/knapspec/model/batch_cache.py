@@ -1,0 +1,126 @@
+"""A preallocated KV cache for a batch of sequences with per-row lengths.
+
+Every layer owns one ``(rows, kv_heads, capacity, head_dim)`` buffer for keys and one for
+values; token ``p`` of row ``r`` lives at index ``[r, :, p]`` (no padding inside a row, so
+a row's positions are its own). Each row has one valid length shared by all layers: the
+batched path runs every layer on every step (no layer-skipping drafts), so layers never
+differ. Cropping a row after verification is a length move; a row that finished leaves the
+batch through :meth:`BatchKVCache.keep`, which packs the remaining rows to the front so that
+attention reads a view of the first rows, never a gathered copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from knapspec.model.cache import KVCache
+
+
+class BatchKVCache:
+    """Per-layer ``(rows, kv_heads, capacity, head_dim)`` key/value buffers and a length
+    per row.
+
+    Args:
+        num_layers: decoder layers ``L``.
+        rows: sequences in the batch.
+        kv_heads, head_dim: the model's key/value heads and head size.
+        capacity: token slots per row (every row's prompt + new tokens + draft room).
+        dtype, device: the model's.
+
+    Buffers start as zeros: a padded query attends to nothing it should not, but its
+    masked keys still enter the product ``softmax · V`` with weight 0, so they must be
+    finite (``0 · NaN`` would poison the row).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        rows: int,
+        kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if rows < 1 or capacity < 1:
+            raise ValueError(
+                f"a batch cache needs rows >= 1 and capacity >= 1, got {rows}, {capacity}"
+            )
+        shape = (rows, kv_heads, capacity, head_dim)
+        self.num_layers = num_layers
+        self.capacity = capacity
+        self.device = device
+        self._keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        #: Valid tokens of each active row (every layer holds the same count).
+        self.lengths: list[int] = [0] * rows
+
+    @property
+    def rows(self) -> int:
+        """Active rows (the first ``rows`` slots of every buffer)."""
+        return len(self.lengths)
+
+    def load_row(self, row: int, cache: KVCache, length: int) -> None:
+        """Copy the first ``length`` tokens of a single-sequence ``cache`` (a prefill run
+        alone) into row ``row``."""
+        if length > self.capacity:
+            raise ValueError(f"row {row}: {length} tokens exceed the capacity {self.capacity}")
+        for layer in range(self.num_layers):
+            self._keys[layer][row, :, :length].copy_(cache.keys(layer, length))
+            self._values[layer][row, :, :length].copy_(cache.values(layer, length))
+        self.lengths[row] = length
+
+    def write(
+        self,
+        layer: int,
+        index: tuple[torch.Tensor, torch.Tensor],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> None:
+        """Store K/V of ``q`` new tokens per active row.
+
+        Args:
+            index: ``(rows, q)`` row and position indices (from :meth:`write_index`).
+            keys, values: ``(rows, kv_heads, q, head_dim)``.
+        """
+        rows, positions = index
+        self._keys[layer][rows, :, positions] = keys.transpose(1, 2)
+        self._values[layer][rows, :, positions] = values.transpose(1, 2)
+
+    def write_index(self, starts: torch.Tensor, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows, q)`` row and position indices of ``q`` tokens per row from ``starts``."""
+        rows = self.rows
+        if int(starts.max()) + q_len > self.capacity:
+            raise ValueError(
+                f"{int(starts.max()) + q_len} positions exceed the batch cache's capacity "
+                f"{self.capacity}"
+            )
+        row_index = torch.arange(rows, device=self.device).unsqueeze(1).expand(rows, q_len)
+        positions = starts.unsqueeze(1) + torch.arange(q_len, device=self.device)
+        return row_index, positions
+
+    def keys(self, layer: int, end: int) -> torch.Tensor:
+        """``(rows, kv_heads, end, head_dim)`` view of the active rows' keys."""
+        return self._keys[layer][: self.rows, :, :end]
+
+    def values(self, layer: int, end: int) -> torch.Tensor:
+        """``(rows, kv_heads, end, head_dim)`` view of the active rows' values."""
+        return self._values[layer][: self.rows, :, :end]
+
+    def set_lengths(self, lengths: list[int]) -> None:
+        """Each active row's valid length after a step (its accepted tokens; a crop)."""
+        if len(lengths) != self.rows:
+            raise ValueError(f"{len(lengths)} lengths for {self.rows} rows")
+        self.lengths = list(lengths)
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (in that order) as the active rows ``0 .. len(rows) - 1``."""
+        if rows == list(range(len(rows))):
+            self.lengths = self.lengths[: len(rows)]
+            return
+        index = torch.tensor(rows, device=self.device)
+        for layer in range(self.num_layers):
+            self._keys[layer][: len(rows)] = self._keys[layer][index]
+            self._values[layer][: len(rows)] = self._values[layer][index]
+        self.lengths = [self.lengths[row] for row in rows]

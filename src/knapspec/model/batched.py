@@ -1,0 +1,119 @@
+"""One full-model step over a batch of rows, each at its own position (ragged).
+
+Row ``r`` feeds ``q_r`` new tokens at positions ``starts[r] ..``; the rows are padded on
+the right to ``q = max(q_r)`` (a padded token is any valid id; its output is ignored and
+the K/V it writes lies beyond the row's length, overwritten by the row's next step). Every
+linear product runs once over all ``rows × q`` tokens, through the engine's kernel table
+(a batched decode step is a few-row product like a verify step), and attention runs per
+row against that row's own cache with a mask ``key <= start_r + t``.
+
+The engine's own :meth:`~knapspec.model.engine.SublayerEngine.forward` stays the
+single-sequence path, unchanged: a batch of one is not routed through here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from knapspec.model.batch_cache import BatchKVCache
+
+if TYPE_CHECKING:
+    from knapspec.model.engine import SublayerEngine
+
+
+def new_batch_cache(engine: SublayerEngine, rows: int, capacity: int) -> BatchKVCache:
+    """A zeroed batch cache for ``rows`` sequences of up to ``capacity`` tokens each."""
+    return BatchKVCache(
+        engine.num_layers,
+        rows,
+        engine.kv_heads,
+        engine.head_dim,
+        capacity,
+        dtype=engine.dtype,
+        device=engine.device,
+    )
+
+
+def ragged_mask(starts: torch.Tensor, q_len: int, keys: int, groups: int) -> torch.Tensor:
+    """``(rows, 1, groups * q, keys)`` bool: packed query ``(g, t)`` of row ``r`` sees key
+    ``k`` iff ``k <= starts[r] + t`` (its row's cached tokens and its own causal prefix)."""
+    steps = torch.arange(q_len, device=starts.device)
+    limits = (starts.unsqueeze(1) + steps).unsqueeze(2)  # (rows, q, 1)
+    columns = torch.arange(keys, device=starts.device)
+    mask = columns <= limits  # (rows, q, keys)
+    return mask.repeat(1, groups, 1).unsqueeze(1)
+
+
+@torch.inference_mode()
+def forward_batch(
+    engine: SublayerEngine,
+    token_ids: torch.Tensor,
+    starts: list[int],
+    cache: BatchKVCache,
+    *,
+    all_logits: bool = True,
+) -> torch.Tensor:
+    """Run the full model over ``q`` new tokens per row, writing every layer's K/V.
+
+    Args:
+        token_ids: ``(rows, q)`` new tokens, right-padded per row.
+        starts: per row, the position of its first new token; the row must hold exactly
+            the positions before it (its cache length).
+        cache: the batch's cache (its active rows are the ``rows`` rows, in order).
+        all_logits: logits for every position, or only for the last column.
+
+    Returns:
+        ``(rows, q, vocab)`` float32 logits, or ``(rows, vocab)`` for the last column.
+        The caller sets each row's new length (:meth:`BatchKVCache.set_lengths`).
+    """
+    rows, q_len = token_ids.shape
+    if rows != cache.rows or len(starts) != rows:
+        raise ValueError(
+            f"token_ids has {rows} rows, starts {len(starts)}, the cache {cache.rows} active rows"
+        )
+    for row, start in enumerate(starts):
+        if start != cache.lengths[row]:
+            raise RuntimeError(
+                f"row {row}: the cache holds {cache.lengths[row]} tokens but the step starts "
+                f"at position {start}"
+            )
+    # Padding may run past a row's real tokens; the real ones are checked by the caller.
+    engine.check_context(max(starts) + 1)
+    device = engine.device
+    start_tensor = torch.tensor(starts, device=device)
+    hidden = engine.embed_tokens(token_ids.to(device))  # (rows, q, d)
+    positions = start_tensor.unsqueeze(1) + torch.arange(q_len, device=device)
+    cos, sin = engine.rotary_emb(hidden, positions)
+    index = cache.write_index(start_tensor, q_len)
+    end = max(starts) + q_len
+    mask = ragged_mask(start_tensor, q_len, end, engine.kv_groups)
+    heads, kv_heads, head_dim = engine.num_heads, engine.kv_heads, engine.head_dim
+    for layer_index, layer in enumerate(engine.layers):
+        normed = layer.input_layernorm(hidden)
+        query, key, value = engine._project_qkv(layer_index, normed, cos, sin)
+        cache.write(layer_index, index, key, value)
+        # Query heads sharing a K/V head are packed along the query axis (no repeat_kv).
+        packed = query.reshape(rows, kv_heads, engine.kv_groups * q_len, head_dim)
+        out = F.scaled_dot_product_attention(
+            packed,
+            cache.keys(layer_index, end),
+            cache.values(layer_index, end),
+            attn_mask=mask,
+            scale=engine._scaling,
+        )
+        attended = (
+            out.reshape(rows, heads, q_len, head_dim)
+            .transpose(1, 2)
+            .reshape(rows, q_len, heads * head_dim)
+        )
+        hidden = hidden + engine._project(layer.self_attn.o_proj, attended)
+        hidden = engine._mlp_item(layer_index, hidden)
+    if all_logits:
+        return engine.logits(hidden)
+    return engine.logits(hidden[:, -1])
+
+
+__all__ = ["forward_batch", "new_batch_cache", "ragged_mask"]

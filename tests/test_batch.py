@@ -1,0 +1,331 @@
+"""Batched generation: each row equals its prompt decoded alone, ragged acceptance keeps
+exactly each row's accepted tokens, finished rows leave the batch, errors name the row,
+sampled rows are distributed as the target, and the batch-level policy stops drafting
+when a wide verification costs more than it gains."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from tests.test_sampling import (
+    _chi_square_pvalue,
+    _exact_joint,
+    _small_vocab_model,
+)
+from tests.tiny_models import greedy_reference, tiny_model
+
+import knapspec.decoding.batch as batch_module
+from knapspec.costmodels.base import CostModel
+from knapspec.decoding.batch import BatchGenerationResult, BatchRun
+from knapspec.decoding.batch_policy import (
+    CostModelBatchPolicy,
+    FixedLookupBatchPolicy,
+    PlainBatchPolicy,
+)
+from knapspec.decoding.decoder import SpeculativeDecoder
+from knapspec.decoding.run import GenerationResult
+from knapspec.decoding.verify import Verdict
+from knapspec.drafters.base import LOOKUP, Draft
+from knapspec.model.batch_cache import BatchKVCache
+from knapspec.model.engine import ContextLengthError
+from knapspec.planners import LookupPlanner
+from knapspec.sampling import SamplingParams
+
+REPEATING = [5, 17, 23, 42, 8, 61, 3, 9, 30, 11] * 3
+
+
+def _decoder(family: str = "llama") -> SpeculativeDecoder:
+    # The lookup planner builds no cost model: nothing is profiled.
+    return SpeculativeDecoder(tiny_model(family, 3), planner=LookupPlanner())
+
+
+def _assert_rows_equal_alone(
+    family: str, prompts: Sequence[Sequence[int]], result: BatchGenerationResult, new: int
+) -> None:
+    model = tiny_model(family, 3)
+    for row, prompt in enumerate(prompts):
+        expected = greedy_reference(model, torch.tensor(prompt), new)
+        assert torch.equal(result.tokens[row], expected), f"row {row} differs"
+        assert torch.equal(result.sequences[row][0], torch.cat([torch.tensor(prompt), expected]))
+
+
+prompt_lists = st.lists(
+    st.one_of(
+        st.lists(st.integers(0, 96), min_size=1, max_size=14),
+        # Repeating text, so lookup proposals exist and get accepted.
+        st.integers(0, 20).map(lambda cut: REPEATING[cut : cut + 14]),
+    ),
+    min_size=1,
+    max_size=4,
+)
+
+
+@given(prompts=prompt_lists, new=st.integers(1, 12), draft=st.integers(0, 4))
+def test_each_greedy_row_equals_its_prompt_decoded_alone(
+    prompts: list[list[int]], new: int, draft: int
+) -> None:
+    decoder = _decoder()
+    policy = FixedLookupBatchPolicy(draft) if draft else PlainBatchPolicy()
+    result = decoder.generate_batch(prompts, max_new_tokens=new, policy=policy)
+    _assert_rows_equal_alone("llama", prompts, result, new)
+    assert result.stop_reasons == ["max_new_tokens"] * len(prompts)
+    assert [s.new_tokens for s in result.stats] == [new] * len(prompts)
+
+
+@pytest.mark.parametrize("family", ["qwen3"])
+def test_rows_equal_alone_on_qwen3_with_left_padding(family: str) -> None:
+    prompts = [REPEATING[:20], [3, 1, 4], REPEATING[4:13]]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    decoder = _decoder(family)
+    result = decoder.generate(ids, attention_mask=mask, max_new_tokens=10)
+    _assert_rows_equal_alone(family, prompts, result, 10)
+    result = decoder.generate_batch(ids, mask, max_new_tokens=10, policy=FixedLookupBatchPolicy(3))
+    _assert_rows_equal_alone(family, prompts, result, 10)
+    assert result.stats[0].drafted_tokens > 0
+
+
+def test_a_single_prompt_keeps_the_single_sequence_path() -> None:
+    decoder = _decoder()
+    assert isinstance(decoder.generate(torch.tensor([1, 2, 3]), max_new_tokens=3), GenerationResult)
+    assert isinstance(decoder.generate([1, 2, 3], max_new_tokens=3), GenerationResult)
+    assert isinstance(decoder.generate([[1, 2, 3]], max_new_tokens=3), BatchGenerationResult)
+
+
+def _check_cache(run: BatchRun, cache: BatchKVCache, active: list[int]) -> None:
+    """Every active row caches exactly its committed tokens but the pending one, and their
+    K/V equal a single-sequence prefill of that row's committed sequence."""
+    engine = run.engine
+    for slot, row in enumerate(active):
+        committed = torch.cat([run.prompts[row], torch.tensor(run.outputs[row][:-1])])
+        assert cache.lengths[slot] == committed.numel()
+        single = engine.new_cache(64)
+        engine.forward(committed, 0, single, all_logits=False)
+        for layer in range(engine.num_layers):
+            keys = cache.keys(layer, committed.numel())[slot]
+            torch.testing.assert_close(keys, single.keys(layer), atol=1e-5, rtol=1e-4)
+            values = cache.values(layer, committed.numel())[slot]
+            torch.testing.assert_close(values, single.values(layer), atol=1e-5, rtol=1e-4)
+
+
+def test_each_row_caches_exactly_its_accepted_tokens_with_ragged_acceptance(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rounds: list[list[tuple[int, int]]] = []  # per round: (drafted, accepted) per row
+    original = BatchRun._round
+
+    def checked_round(self, active, cache, pending, lengths):  # type: ignore[no-untyped-def]
+        before = [(self.stats[r].drafted_tokens, self.stats[r].accepted_tokens) for r in active]
+        original(self, active, cache, pending, lengths)
+        after = [(self.stats[r].drafted_tokens, self.stats[r].accepted_tokens) for r in active]
+        rounds.append(
+            [(d1 - d0, a1 - a0) for (d0, a0), (d1, a1) in zip(before, after, strict=True)]
+        )
+        _check_cache(self, cache, active)
+
+    monkeypatch.setattr(BatchRun, "_round", checked_round)
+    # Row 0 repeats (its drafts are accepted), row 1 repeats a pattern the model does not
+    # continue (its drafts are rejected).
+    prompts = [REPEATING, [4, 4, 4, 4, 4, 4, 4, 4], [60, 2, 7]]
+    result = _decoder().generate_batch(prompts, max_new_tokens=16, policy=FixedLookupBatchPolicy(4))
+    _assert_rows_equal_alone("llama", prompts, result, 16)
+    ragged = [
+        r
+        for r in rounds
+        if any(d > 0 and a == d for d, a in r) and any(d > 0 and a == 0 for d, a in r)
+    ]
+    assert ragged, f"no round had a row accepting all and a row accepting none: {rounds}"
+
+
+def test_finished_rows_leave_the_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    widths: list[int] = []
+    original = batch_module.forward_batch
+
+    def counting(engine, token_ids, starts, cache, **kwargs):  # type: ignore[no-untyped-def]
+        widths.append(token_ids.shape[0])
+        return original(engine, token_ids, starts, cache, **kwargs)
+
+    monkeypatch.setattr(batch_module, "forward_batch", counting)
+    model = tiny_model("llama", 3)
+    prompts = [[1, 2, 3], [40, 41, 42, 43], [7, 8]]
+    stop = int(greedy_reference(model, torch.tensor(prompts[1]), 3)[2])
+    result = _decoder().generate(prompts, max_new_tokens=12, eos_token_id=stop)
+    assert result.stop_reasons[1] == "eos" and result.tokens[1][-1] == stop
+    for row in (0, 2):
+        expected = greedy_reference(model, torch.tensor(prompts[row]), 12)
+        cut = next((i + 1 for i, t in enumerate(expected.tolist()) if t == stop), 12)
+        assert torch.equal(result.tokens[row], expected[:cut])
+    assert widths[0] == 3 and min(widths) < 3  # rows stopped and left the compute
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (
+            lambda d: d.generate(
+                torch.ones(2, 4, dtype=torch.long), attention_mask=torch.ones(2, 3)
+            ),
+            ValueError,
+            "attention_mask has shape",
+        ),
+        (
+            lambda d: d.generate(
+                torch.ones(2, 3, dtype=torch.long),
+                attention_mask=torch.tensor([[1, 1, 1], [1, 1, 0]]),
+            ),
+            ValueError,
+            "row 1: attention_mask must be left padding",
+        ),
+        (
+            lambda d: d.generate(
+                torch.ones(2, 3, dtype=torch.long),
+                attention_mask=torch.tensor([[1, 1, 1], [0, 0, 0]]),
+            ),
+            ValueError,
+            "row 1: the prompt is empty",
+        ),
+        (lambda d: d.generate([[1, 2], []]), ValueError, "row 1: the prompt is empty"),
+        (lambda d: d.generate([[1, 2], [3, 500]]), ValueError, r"row 1: token ids must be in"),
+        (
+            lambda d: d.generate([[1, 2], [3] * 250, [4]], max_new_tokens=10),
+            ContextLengthError,
+            "row 1: 250 prompt tokens",
+        ),
+        (lambda d: d.generate([[1, 2]], max_new_tokens=0), ValueError, "max_new_tokens"),
+        (
+            lambda d: d.generate_batch([[1], [2]], seeds=[1]),
+            ValueError,
+            "seeds has 1 entries for a batch of 2",
+        ),
+        (
+            lambda d: d.generate([[1], [2]], streamer=object()),
+            ValueError,
+            "not supported for a batch",
+        ),
+        (lambda d: d.generate(torch.zeros(2, 5, dtype=torch.long)), ValueError, "attention_mask"),
+    ],
+)
+def test_bad_batches_name_the_row_and_the_decoder_still_works(
+    call,  # type: ignore[no-untyped-def]
+    error: type[Exception],
+    message: str,
+) -> None:
+    decoder = _decoder()
+    with pytest.raises(error, match=message):
+        call(decoder)
+    prompts = [[1, 2, 3], REPEATING[:12]]
+    result = decoder.generate(prompts, max_new_tokens=6)
+    _assert_rows_equal_alone("llama", prompts, result, 6)
+
+
+# ------------------------------------------------------------------ sampling per row
+PROMPTS = [[1, 4, 2, 0, 3], [2, 2, 5, 1, 2, 2, 5, 1, 2, 2]]
+LENGTH = 4
+RUNS = 1500
+
+
+def _batch_samples(params: SamplingParams, runs: int) -> tuple[list[Counter[tuple[int, ...]]], int]:
+    decoder = SpeculativeDecoder(_small_vocab_model(), planner=LookupPlanner())
+    counts: list[Counter[tuple[int, ...]]] = [Counter() for _ in PROMPTS]
+    drafted = 0
+    for run in range(runs):
+        result = decoder.generate_batch(
+            PROMPTS,
+            max_new_tokens=LENGTH,
+            sampling=params,
+            seeds=[2 * run, 2 * run + 1],
+            policy=FixedLookupBatchPolicy(3),
+        )
+        for row, tokens in enumerate(result.tokens):
+            counts[row][tuple(tokens.tolist())] += 1
+        drafted += sum(stats.drafted_tokens for stats in result.stats)
+    return counts, drafted
+
+
+def test_sampled_rows_are_distributed_as_the_target() -> None:
+    params = SamplingParams(do_sample=True, temperature=1.0)
+    counts, drafted = _batch_samples(params, RUNS)
+    assert drafted > RUNS  # lookup drafts were verified by rejection sampling
+    model = _small_vocab_model()
+    for row, prompt in enumerate(PROMPTS):
+        joint = _exact_joint(model, prompt, params, LENGTH)
+        assert _chi_square_pvalue(counts[row], joint) > 1e-3, f"row {row}"
+
+
+def test_the_batch_chi_square_check_has_power_against_a_lossy_sampler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Accepting every lookup draft token must be caught by the same test."""
+
+    def accept_everything(drafts, draft_probs, target_probs, generator):  # type: ignore[no-untyped-def]
+        bonus = int(torch.multinomial(target_probs[len(drafts)], 1, generator=generator))
+        return Verdict(len(drafts), [*drafts, bonus])
+
+    monkeypatch.setattr(batch_module, "verify_sampling", accept_everything)
+    params = SamplingParams(do_sample=True, temperature=1.0)
+    counts, _ = _batch_samples(params, RUNS)
+    joint = _exact_joint(_small_vocab_model(), PROMPTS[1], params, LENGTH)
+    assert _chi_square_pvalue(counts[1], joint) < 1e-6
+
+
+def test_seeded_rows_are_reproducible() -> None:
+    decoder = _decoder()
+    params = SamplingParams(do_sample=True, temperature=1.0, seed=7)
+    first = decoder.generate([[1, 2, 3], [1, 2, 3]], max_new_tokens=12, sampling=params)
+    again = decoder.generate([[1, 2, 3], [1, 2, 3]], max_new_tokens=12, sampling=params)
+    assert all(torch.equal(a, b) for a, b in zip(first.tokens, again.tokens, strict=True))
+    # Rows get their own generators: the same prompt in two rows samples differently.
+    assert not torch.equal(first.tokens[0], first.tokens[1])
+
+
+# ------------------------------------------------------------------ the batch policy
+class _WidthCosts(CostModel):
+    """Verification is memory-bound up to ``flat`` tokens, then costs per token."""
+
+    def __init__(self, flat: int) -> None:
+        self.flat = flat
+
+    def t_attn(self, context_length: int, layer: int | None = None) -> float:
+        return 0.1
+
+    def t_mlp(self, layer: int | None = None) -> float:
+        return 0.1
+
+    def overhead(self, context_length: int) -> float:
+        return 0.0
+
+    def verify_cost(self, tokens: int, context_length: int) -> float:
+        return max(1.0, tokens / self.flat)
+
+
+def _proposal() -> Draft:
+    return Draft((1, 2, 3, 4), LOOKUP, match_length=8)
+
+
+def test_the_cost_model_policy_drafts_a_small_batch_and_not_a_large_one() -> None:
+    policy = CostModelBatchPolicy(_WidthCosts(flat=4), max_draft_length=4)
+    policy.reset(8)
+    assert policy.draft_lengths([0], [_proposal()], [100]) == [3]  # 4 tokens cost one step
+    eight = list(range(8))
+    assert policy.draft_lengths(eight, [_proposal()] * 8, [100] * 8) == [0] * 8
+    # Rows without a proposal draft nothing; the others still do in a small batch.
+    assert policy.draft_lengths([0, 1], [_proposal(), Draft((), LOOKUP)], [50, 60]) == [1, 0]
+
+
+def test_the_default_policy_speculates_only_with_lookup_and_a_cost_model() -> None:
+    prompts = [REPEATING, REPEATING[3:]]
+    plain = _decoder().generate(prompts, max_new_tokens=12)
+    assert all(stats.drafted_tokens == 0 for stats in plain.stats)  # no cost model
+    decoder = SpeculativeDecoder(tiny_model("llama", 3), cost_model=_WidthCosts(flat=16))
+    result = decoder.generate(prompts, max_new_tokens=12)
+    _assert_rows_equal_alone("llama", prompts, result, 12)
+    assert sum(stats.accepted_tokens for stats in result.stats) > 0
