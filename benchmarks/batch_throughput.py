@@ -33,12 +33,14 @@ from typing import Any
 
 import torch
 
+from knapspec import (
+    AutoregressivePlanner,
+    PlainBatchPolicy,
+    SpeculativeDecoder,
+    load_model_and_tokenizer,
+)
 from knapspec.bench.env import environment, kernel_record
 from knapspec.bench.prompts import long_input_prompt
-from knapspec.decoding.batch_policy import PlainBatchPolicy
-from knapspec.decoding.decoder import SpeculativeDecoder
-from knapspec.model.provision import load_model_and_tokenizer
-from knapspec.planners import AutoregressivePlanner
 
 
 def _until_eos(tokens: torch.Tensor, eos: set[int]) -> list[int]:

@@ -39,6 +39,13 @@ if TYPE_CHECKING:
         ProfileMismatchError,
         profile_engine,
     )
+    from knapspec.decoding.batch import BatchGenerationResult
+    from knapspec.decoding.batch_policy import (
+        BatchDraftPolicy,
+        CostModelBatchPolicy,
+        FixedLookupBatchPolicy,
+        PlainBatchPolicy,
+    )
     from knapspec.decoding.decoder import GenerationResult, SpeculativeDecoder
     from knapspec.decoding.stats import GenerationStats, PlanRecord
     from knapspec.decoding.verify import NonFiniteLogitsError
@@ -95,6 +102,11 @@ _EXPORTS = {
     "EarlyExitPlanner": "knapspec.planners",
     "FittedLinearCostModel": "knapspec.costmodels",
     "GenerationResult": "knapspec.decoding.decoder",
+    "BatchGenerationResult": "knapspec.decoding.batch",
+    "BatchDraftPolicy": "knapspec.decoding.batch_policy",
+    "CostModelBatchPolicy": "knapspec.decoding.batch_policy",
+    "FixedLookupBatchPolicy": "knapspec.decoding.batch_policy",
+    "PlainBatchPolicy": "knapspec.decoding.batch_policy",
     "GenerationStats": "knapspec.decoding.stats",
     "KVCache": "knapspec.model",
     "KnapsackPlanner": "knapspec.planners",
@@ -151,6 +163,8 @@ __all__ = [
     "PROXIES",
     "AcceptanceEstimate",
     "AutoregressivePlanner",
+    "BatchDraftPolicy",
+    "BatchGenerationResult",
     "BayesianPlanner",
     "CLaSpPlanner",
     "Component",
@@ -159,6 +173,7 @@ __all__ = [
     "ContextLengthError",
     "CosineProxy",
     "CostModel",
+    "CostModelBatchPolicy",
     "DELPlanner",
     "DecoderConfig",
     "Draft",
@@ -166,6 +181,7 @@ __all__ = [
     "Drafter",
     "EarlyExitPlanner",
     "FittedLinearCostModel",
+    "FixedLookupBatchPolicy",
     "GenerationResult",
     "GenerationStats",
     "KVCache",
@@ -177,6 +193,7 @@ __all__ = [
     "MonteCarloAcceptanceProxy",
     "NonFiniteLogitsError",
     "OnlineCalibratedCostModel",
+    "PlainBatchPolicy",
     "PlanRecord",
     "Planner",
     "PlanningContext",

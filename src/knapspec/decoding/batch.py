@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from knapspec.costmodels.base import LatencyObservation
 from knapspec.decoding.batch_policy import BatchDraftPolicy
 from knapspec.decoding.stats import GenerationStats
 from knapspec.decoding.verify import check_finite, verify_greedy, verify_sampling
@@ -36,7 +35,6 @@ from knapspec.model.batched import forward_batch, new_batch_cache
 from knapspec.sampling import SamplingParams, processed_probs, sample_token
 
 if TYPE_CHECKING:
-    from knapspec.costmodels.base import CostModel
     from knapspec.model.batch_cache import BatchKVCache
     from knapspec.model.cache import KVCache
     from knapspec.model.engine import SublayerEngine
@@ -165,7 +163,6 @@ class BatchRun:
         policy: BatchDraftPolicy,
         max_draft_length: int,
         lookup: LookupDrafter | None,
-        cost_model: CostModel | None,
         generators: list[torch.Generator | None],
     ) -> None:
         self.engine = engine
@@ -176,7 +173,6 @@ class BatchRun:
         self.params = params
         self.policy = policy
         self.max_draft_length = max_draft_length
-        self.cost_model = cost_model
         self.generators = generators
         count = len(prompts)
         self.drafters = [
@@ -305,14 +301,11 @@ class BatchRun:
                 len(draft), verdict.accepted, committed, LOOKUP if draft else "none"
             )
         cache.set_lengths(new_lengths)
+        # Not fed to the cost model: a batched pass is not a single sequence's verification
+        # of that width (every row reads its own cache), and would skew its estimates.
         elapsed = self._now() - verify_start
         for row in active:
             self.stats[row].verify_time_s += elapsed
-        if self.cost_model is not None:
-            context = round(sum(contexts) / len(contexts))
-            self.cost_model.observe(
-                LatencyObservation("verify", context, elapsed, len(active) * width)
-            )
 
 
 __all__ = ["BatchGenerationResult", "BatchRun", "batch_prompts"]

@@ -9,14 +9,16 @@ number for the whole batch, so the decision is made at batch level:
   drafting fewer than the longest costs nothing more, its slots are computed anyway) and
   commits ``E_r(γ_r)`` tokens in expectation, from its own online per-bucket acceptance
   (:class:`~knapspec.drafters.acceptance.LookupAcceptance`, learned in hindsight from
-  every round, drafted or not). The round costs the cost model's verify time for the
-  batch's tokens, ``verify_cost(rows · (G + 1), n̄)`` at the rows' mean context ``n̄``
-  (the linear products see ``rows · (G + 1)`` rows, and attention over ``n̄`` per row is
-  what one sequence of that width pays). It picks the ``G`` of the highest tokens per
-  second ``Σ_r E_r(γ_r) / cost(G)``, and drafts only when that beats the plain batch
-  step ``rows / verify_cost(rows, n̄)`` by ``margin``. The wider the batch, the more a
-  draft token costs relative to what one row gains, so a large batch chooses ``G = 0``
-  by itself once the verify cost grows with its width (compute-bound products).
+  every round, drafted or not). The round's cost comes from the cost model's verify
+  costs, split into the part that does not grow with the context and the part that does
+  (:func:`batched_verify_cost`): the linear products see all ``rows · (G + 1)`` tokens at
+  once, ``verify_cost(rows · (G + 1), 0)``, and every row attends over its own cache,
+  ``rows · (verify_cost(G + 1, n̄) - verify_cost(G + 1, 0))`` at the rows' mean context
+  ``n̄``. It picks the ``G`` of the highest tokens per second ``Σ_r E_r(γ_r) / cost(G)``,
+  and drafts only when that beats the plain batch step (``G = 0``) by ``margin``. The
+  wider the batch, the more a draft token costs relative to what one row gains (the
+  products leave the few-row regime where extra rows are nearly free), so a large batch
+  chooses ``G = 0`` by itself.
 * :class:`FixedLookupBatchPolicy` drafts up to ``k`` lookup tokens in every row with a
   match (the fixed-length ablation; the tests use it to force ragged acceptance).
 * :class:`PlainBatchPolicy` never drafts.
@@ -35,6 +37,15 @@ from knapspec.costmodels.base import CostModel
 from knapspec.drafters.acceptance import LookupAcceptance
 from knapspec.drafters.base import Draft
 from knapspec.planners.objective import chained_expected_tokens
+
+
+def batched_verify_cost(cost_model: CostModel, rows: int, tokens: int, context: int) -> float:
+    """Predicted seconds of one verify pass over ``rows`` rows of ``tokens`` tokens each at
+    a mean context ``context``: the products over all ``rows · tokens`` tokens plus each
+    row's own attention (the context-dependent part of a ``tokens``-wide verification)."""
+    products = cost_model.verify_cost(rows * tokens, 0)
+    attention = cost_model.verify_cost(tokens, context) - cost_model.verify_cost(tokens, 0)
+    return products + rows * max(attention, 0.0)
 
 
 class BatchDraftPolicy(abc.ABC):
@@ -92,7 +103,7 @@ class CostModelBatchPolicy(BatchDraftPolicy):
     """The batch-level TPT search over a common cap ``G`` (module docstring).
 
     Args:
-        cost_model: prices ``verify_cost(rows · (G + 1), n̄)``.
+        cost_model: prices each round (:func:`batched_verify_cost`).
         max_draft_length: D, the largest cap.
         margin: the predicted gain over the plain batch step a draft must show (0.05:
             5 %, the knapsack planner's margin).
@@ -134,7 +145,8 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         tpt = []
         for cap in range(longest + 1):
             tokens = sum(float(gain[min(cap, gain.size - 1)]) for gain in gains)
-            tpt.append(tokens / self.cost_model.verify_cost(count * (cap + 1), context))
+            cost = batched_verify_cost(self.cost_model, count, cap + 1, context)
+            tpt.append(tokens / cost)
         self.last_tokens_per_second = tpt
         best = int(np.argmax(tpt))
         if best == 0 or tpt[best] < (1.0 + self.margin) * tpt[0]:
@@ -147,6 +159,7 @@ class CostModelBatchPolicy(BatchDraftPolicy):
 
 __all__ = [
     "BatchDraftPolicy",
+    "batched_verify_cost",
     "CostModelBatchPolicy",
     "FixedLookupBatchPolicy",
     "PlainBatchPolicy",

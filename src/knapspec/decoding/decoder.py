@@ -326,7 +326,6 @@ class SpeculativeDecoder:
                 policy=policy,
                 max_draft_length=self.max_draft_length,
                 lookup=lookup,
-                cost_model=self.cost_model,
                 generators=generators,
             )
             return run.execute()

@@ -1,0 +1,38 @@
+"""Batches on the real SmolLM2-135M-Instruct and real text: a ragged batch of prompts of
+mixed lengths gives every row exactly ``model.generate``'s greedy tokens for that prompt
+alone, with lookup drafts verified in the batch (asserted: drafts were made)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from knapspec import FixedLookupBatchPolicy, LookupPlanner, SpeculativeDecoder
+from knapspec.bench.prompts import copy_prompt, long_input_prompt
+from knapspec.model.provision import load_model_and_tokenizer
+
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
+
+NEW_TOKENS = 20
+
+
+def test_a_mixed_length_batch_equals_each_prompt_alone() -> None:
+    model, tokenizer = load_model_and_tokenizer(progress=False)
+    prompts = [
+        copy_prompt(tokenizer, 160, seed=1),  # copies: lookup drafts are accepted
+        long_input_prompt(tokenizer, 48, seed=2),
+        long_input_prompt(tokenizer, 300, seed=3),
+    ]
+    assert len({p.numel() for p in prompts}) == 3
+    eos = model.generation_config.eos_token_id
+    decoder = SpeculativeDecoder(model, planner=LookupPlanner())
+    result = decoder.generate_batch(
+        prompts, max_new_tokens=NEW_TOKENS, eos_token_id=eos, policy=FixedLookupBatchPolicy(4)
+    )
+    for row, prompt in enumerate(prompts):
+        ids = prompt.unsqueeze(0)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False
+        )
+        assert torch.equal(result.tokens[row], out[0, prompt.numel() :]), f"row {row} differs"
+    assert result.stats[0].accepted_tokens > 0
