@@ -159,8 +159,8 @@ class CostModelBatchPolicy(BatchDraftPolicy):
 
 __all__ = [
     "BatchDraftPolicy",
-    "batched_verify_cost",
     "CostModelBatchPolicy",
     "FixedLookupBatchPolicy",
     "PlainBatchPolicy",
+    "batched_verify_cost",
 ]
