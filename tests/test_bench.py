@@ -399,3 +399,29 @@ def test_agreement_growth_adds_the_unit_that_keeps_the_most_agreement() -> None:
         )
         assert float(mine) == pytest.approx(best)
         previous = chosen
+
+
+def test_decode_phase_table_compares_each_call_past_its_prefill() -> None:
+    from knapspec.bench.drafter_report import decode_phase_table
+
+    def call(method: str, role: str, wall: float, prefill: float) -> dict[str, Any]:
+        return {
+            "scenario": "s",
+            "context": 8,
+            "prompt_id": 0,
+            "method": method,
+            "role": role,
+            "wall_time": wall,
+            "prefill_seconds": prefill,
+        }
+
+    raw = [
+        call("ar", "reference", 10.0, 4.0),
+        call("m", "method", 5.0, 4.0),  # decode 1 s against plain 6 s and 8 s
+        call("ar", "reference", 12.0, 4.0),
+        call("generate", "method", 9.0, 0.0),  # prefill not timed apart: left out
+        call("ar", "reference", 12.0, 4.0),
+    ]
+    table = decode_phase_table(RunData(Path("run"), {}, raw, [], [], []))
+    rows = [line for line in table.splitlines()[2:]]
+    assert rows == ["| s | 8 | m | 7.00 [7.00-7.00] | 33% | 3.00 |"]

@@ -9,6 +9,7 @@ from typing import Any
 
 from knapspec.bench.drafter_report import (
     ORACLE_SHARE_THRESHOLD,
+    decode_phase_table,
     drafter_table,
     lookup_oracle_table,
     machine_caption,
@@ -130,6 +131,21 @@ def render(data: RunData, image_prefix: str = "") -> str:
             "included, over wall time.",
             "",
             drafter_table(data),
+            "",
+            machine_caption(data),
+            "",
+        ]
+    decode_phase = decode_phase_table(data)
+    if decode_phase.count("\n") > 1:
+        parts += [
+            "## Decoding phase alone (prefill excluded)",
+            "",
+            "No drafter shortens the prefill; `ceiling` (plain wall time over plain prefill) "
+            "caps every wall-time speedup above. Each call's decode time (wall minus "
+            "prefill) against the mean of the plain calls around it; median [min-max]. "
+            "`model.generate` rows are absent: their prefill is not timed apart.",
+            "",
+            decode_phase,
             "",
             machine_caption(data),
             "",
