@@ -3,8 +3,9 @@
 With the hidden-state (mean cosine) value the DP of :func:`knapspec.planners.dp.hidden_state_dp`
 is a per-state heuristic (docs/theory.md, "What the DP guarantees"). This benchmark measures
 how good the heuristic is where brute force is affordable (``2L <= 12`` items): for random
-instances (tiny random Llama and Qwen3 models shaped as the tests' ``tiny_models.py``, several model
-seeds, random integer item weights in ``[1, 4]``, random windows, the half-budget bound) it
+instances (tiny random Llama and Qwen3 models, :func:`knapspec.testing.tiny_model`, the
+models the DP tests run on; several model seeds, random integer item weights in ``[1, 4]``,
+random windows, the half-budget bound) it
 enumerates every mask of skipped weight ``<= max_budget``, scores all of them with the same
 score function on the same teacher-forced window, and compares, for every budget ``b``, the
 DP's mask for ``b`` with the best mask of skipped weight exactly ``b``.
@@ -52,6 +53,7 @@ from knapspec.planners.dp import (
     mean_cosine,
     single_items,
 )
+from knapspec.testing import random_window, tiny_model
 from knapspec.types import SublayerMask
 from knapspec.window import ReferenceWindow
 
@@ -86,54 +88,11 @@ class Instance:
         return half_budget(self.weights)
 
 
-#: The tiny random models' shape (the same as the test suite's ``tests/tiny_models.py``,
-#: so that these results describe the models the DP tests run on).
-TINY_MODEL = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=97,
-    max_position_embeddings=256,
-    eos_token_id=None,
-    bos_token_id=None,
-    pad_token_id=None,
-)
-
-
-def tiny_model(family: str, num_layers: int, seed: int) -> Any:
-    """A random ``family`` model (``"llama"`` or ``"qwen3"``) of ``num_layers`` layers; its
-    LM head is scaled by 8 so that greedy ties are vanishingly rare."""
-    torch.manual_seed(seed)
-    kwargs = dict(TINY_MODEL, num_hidden_layers=num_layers)
-    if family == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
-    elif family == "qwen3":
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kwargs))
-    else:
-        raise ValueError(f"unknown family {family!r}; use llama or qwen3")
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    return model.eval()
-
-
 def filled(
     engine: SublayerEngine, length: int, window: int, seed: int
 ) -> tuple[KVCache, ReferenceWindow]:
     """Prefill ``length`` random tokens; the reference window is the last ``window``."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, engine.vocab_size, (length,), generator=generator)
-    cache = engine.new_cache(length)
-    out = engine.forward(ids, 0, cache, capture_points=True, capture_last=window)
-    assert out.points is not None
-    reference = ReferenceWindow(
-        points=out.points,
-        token_ids=ids[-window:],
-        target_tokens=out.logits[-window:].argmax(-1),
-        start=length - window,
-    )
-    return cache, reference
+    return random_window(engine, length, window, seed)
 
 
 def scaled_model(family: str, num_layers: int, seed: int, output_scale: float) -> Any:

@@ -109,6 +109,30 @@ MUTANTS = (
         ("tests/test_lossless_drafting.py", *SAMPLING_TESTS),
     ),
     Mutant(
+        "drafter-config-ignored",
+        "the decoder builds each proposing drafter with its defaults, not its [drafters.NAME] "
+        "section",
+        "src/knapspec/config/factory.py",
+        (
+            (
+                "drafters.append(cls.from_config(params, engine))",
+                "drafters.append(cls.from_config(None, engine))",
+            ),
+        ),
+        (
+            "tests/test_drafters.py::test_the_lookup_section_sets_the_proposal_length",
+            "tests/test_lossless_drafting.py",
+        ),
+    ),
+    Mutant(
+        "lookup-priors-ignored",
+        "the knapsack planner prices lookup drafts with the default acceptance priors, not "
+        "its lookup_* fields",
+        "src/knapspec/planners/knapsack.py",
+        (("LookupPricing(self.config.lookup_acceptance_config())", "LookupPricing()"),),
+        ("tests/test_drafters.py::test_the_lookup_priors_of_the_config_price_the_drafts",),
+    ),
+    Mutant(
         "lemma-bound-twice-as-loose",
         "the cosine threshold 1 - ξ²/(2‖x‖²D²) loses its factor 1/2",
         LEMMA,

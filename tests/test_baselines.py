@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
 
 import attrs
 import numpy as np
@@ -52,16 +51,8 @@ from test_planners_contract import (
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def engine(single_thread: None) -> SublayerEngine:
+def engine() -> SublayerEngine:
     return tiny_llama_engine()
 
 

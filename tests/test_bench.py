@@ -36,6 +36,7 @@ from knapspec.bench.scenarios import SAMPLING
 from knapspec.config import DecoderConfig
 from knapspec.decoding.decoder import GenerationResult, SpeculativeDecoder
 from knapspec.model.engine import SublayerEngine
+from knapspec.testing import tiny_llama
 
 WORDS = [
     "the",
@@ -68,7 +69,7 @@ WORDS = [
 def tiny() -> tuple[Any, Any]:
     """A 3-layer random Llama and a word-level tokenizer over common English words."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     vocab = {word: index for index, word in enumerate(["[UNK]", *WORDS])}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
@@ -77,22 +78,8 @@ def tiny() -> tuple[Any, Any]:
         tokenizer_object=backend, unk_token="[UNK]"
     )
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} . {% endfor %}"
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(vocab),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    model = LlamaForCausalLM(config).eval()  # type: ignore[no-untyped-call]
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)  # sharp logits: no greedy ties between implementations
+    # Sharp logits (head_scale): no greedy ties between implementations.
+    model = tiny_llama(3, vocab_size=len(vocab), head_scale=8.0)
     return model, tokenizer
 
 

@@ -9,14 +9,11 @@ by :func:`knapspec.testing.check_cost_model`, which third-party cost models can 
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from pathlib import Path
 
-import attrs
 import pytest
 
-import knapspec.costmodels
+from knapspec.config import load_builtin_components
 from knapspec.costmodels.base import COST_MODELS, CostModel
 from knapspec.costmodels.defaults import PROFILE_ENV
 from knapspec.model.engine import SublayerEngine
@@ -24,12 +21,12 @@ from knapspec.testing import (
     AnalyticCostModel,
     CheapDraftCostModel,
     check_cost_model,
+    check_registration,
     synthetic_profile,
     tiny_engine,
 )
 
-for _module in pkgutil.iter_modules(knapspec.costmodels.__path__):
-    importlib.import_module(f"{knapspec.costmodels.__name__}.{_module.name}")
+load_builtin_components()
 
 COST_MODEL_NAMES = sorted(COST_MODELS.names())
 
@@ -58,16 +55,7 @@ def test_the_suite_sees_every_builtin() -> None:
 
 @pytest.mark.parametrize("name", COST_MODEL_NAMES)
 def test_registration_contract(name: str, engine: SublayerEngine, profile: Path) -> None:
-    cls = COST_MODELS.get(name)
-    assert issubclass(cls, CostModel)
-    assert cls.registered_name == name
-    config = cls.config_class()
-    assert attrs.has(type(config)), f"{name}.config_class is not an attrs class"
-    fields = attrs.fields(type(config))
-    if fields:
-        with pytest.raises(attrs.exceptions.FrozenInstanceError):
-            setattr(config, fields[0].name, getattr(config, fields[0].name))
-    assert isinstance(build(name, engine), cls)
+    check_registration(COST_MODELS, name, CostModel, engine)
 
 
 @pytest.mark.parametrize("name", COST_MODEL_NAMES)

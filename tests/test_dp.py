@@ -9,8 +9,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from knapspec import testing
 from knapspec.model.cache import KVCache
 from knapspec.model.engine import SublayerEngine
 from knapspec.planners.dp import (
@@ -86,35 +86,14 @@ def test_half_budget() -> None:
 
 # ----------------------------------------------------------------- hidden-state value
 def tiny_engine(num_layers: int, seed: int) -> SublayerEngine:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    return SublayerEngine(LlamaForCausalLM(config).eval())
+    return testing.tiny_engine(num_layers, seed=seed)
 
 
 def filled(
     engine: SublayerEngine, length: int, window: int, seed: int
 ) -> tuple[KVCache, ReferenceWindow]:
     """Prefill ``length`` random tokens; the window is the last ``window`` of them."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, engine.vocab_size, (length,), generator=generator)
-    cache = engine.new_cache(length)
-    out = engine.forward(ids, 0, cache, capture_points=True, capture_last=window)
-    assert out.points is not None
-    reference = ReferenceWindow(
-        points=out.points,
-        token_ids=ids[-window:],
-        target_tokens=out.logits[-window:].argmax(-1),
-        start=length - window,
-    )
-    return cache, reference
+    return testing.random_window(engine, length, window, seed)
 
 
 def cache_snapshot(cache: KVCache) -> tuple[list[int], list[torch.Tensor]]:

@@ -16,12 +16,14 @@ from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.drafters import (
     DRAFTERS,
     Draft,
+    Drafter,
     LookupAcceptance,
     LookupConfig,
     LookupDrafter,
     LookupIndex,
 )
 from knapspec.drafters.acceptance import hindsight_matches
+from knapspec.model.engine import SublayerEngine
 from knapspec.planners import KnapsackPlanner, LookupPlanner
 from knapspec.planners.knapsack import KnapsackPlannerConfig
 from knapspec.planners.lookup import LookupPlannerConfig
@@ -31,6 +33,7 @@ from knapspec.planners.objective import (
     expected_tokens,
 )
 from knapspec.registry import UnknownComponentError
+from knapspec.testing import check_registration
 
 token_lists = st.lists(st.integers(0, 4), min_size=1, max_size=60)
 
@@ -299,6 +302,11 @@ def test_a_planner_may_only_read_proposals_of_registered_proposing_drafters() ->
         SpeculativeDecoder(model, {"planner": {"name": "lookup", "drafter": "subnetwork"}})
     with pytest.raises(UnknownComponentError, match="did you mean 'lookup'"):
         SpeculativeDecoder(model, {"planner": {"name": "lookup", "drafter": "lookp"}})
+
+
+@pytest.mark.parametrize("name", DRAFTERS.names())
+def test_registration_contract(name: str) -> None:
+    check_registration(DRAFTERS, name, Drafter, SublayerEngine(tiny_model("llama", 2)))
 
 
 def test_knapsack_config_refuses_unknown_drafters() -> None:

@@ -9,23 +9,24 @@ window comes from a real engine forward, and checked by
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from typing import Any
 
-import attrs
 import pytest
-import torch
 
-import knapspec.proxies
+from knapspec.config import load_builtin_components
 from knapspec.model.engine import SublayerEngine
 from knapspec.proxies.base import PROXIES, AcceptanceEstimate, ValueProxy
 from knapspec.sampling import SamplingParams
-from knapspec.testing import TopOneProxy, check_proxy, reference_window, tiny_engine
+from knapspec.testing import (
+    TopOneProxy,
+    check_proxy,
+    check_registration,
+    random_window,
+    tiny_engine,
+)
 from knapspec.window import ReferenceWindow
 
-for _module in pkgutil.iter_modules(knapspec.proxies.__path__):
-    importlib.import_module(f"{knapspec.proxies.__name__}.{_module.name}")
+load_builtin_components()
 
 #: Every registered proxy with its defaults, and non-default modes worth the same checks.
 CASES: list[tuple[str, dict[str, Any]]] = [(name, {}) for name in sorted(PROXIES.names())] + [
@@ -42,8 +43,7 @@ def engine() -> SublayerEngine:
 
 @pytest.fixture(scope="module")
 def window(engine: SublayerEngine) -> ReferenceWindow:
-    tokens = torch.randint(0, engine.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
-    return reference_window(engine, tokens, 12)[1]
+    return random_window(engine, 40, 12, seed=3)[1]
 
 
 def build(name: str, params: dict[str, Any], engine: SublayerEngine) -> ValueProxy:
@@ -57,16 +57,7 @@ def test_the_suite_sees_every_builtin() -> None:
 
 @pytest.mark.parametrize("name", sorted(PROXIES.names()))
 def test_registration_contract(name: str, engine: SublayerEngine) -> None:
-    cls = PROXIES.get(name)
-    assert issubclass(cls, ValueProxy)
-    assert cls.registered_name == name
-    config = cls.config_class()
-    assert attrs.has(type(config)), f"{name}.config_class is not an attrs class"
-    fields = attrs.fields(type(config))
-    if fields:
-        with pytest.raises(attrs.exceptions.FrozenInstanceError):
-            setattr(config, fields[0].name, getattr(config, fields[0].name))
-    assert isinstance(build(name, {}, engine), cls)
+    check_registration(PROXIES, name, ValueProxy, engine)
 
 
 @pytest.mark.parametrize(("name", "params"), CASES, ids=[f"{n}{p or ''}" for n, p in CASES])

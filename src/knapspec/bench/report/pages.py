@@ -62,6 +62,11 @@ def _method_lines(data: RunData) -> list[str]:
     return ["Methods:", "", *lines, ""] if lines else []
 
 
+def _table_section(data: RunData, title: str, intro: str, table: str) -> list[str]:
+    """A report section: heading, what the table shows, the table, the machine it ran on."""
+    return [f"## {title}", "", intro, "", table, "", machine_caption(data), ""]
+
+
 def render(data: RunData, image_prefix: str = "") -> str:
     """The report as Markdown; images are referenced as ``image_prefix + file name``."""
     rows = summarise(data)
@@ -94,82 +99,61 @@ def render(data: RunData, image_prefix: str = "") -> str:
         "",
     ]
     if data.oracle:
-        parts += [
-            "## Oracle frontier",
-            "",
+        parts += _table_section(
+            data,
+            "Oracle frontier",
             "Best fixed (mask, γ) in hindsight, planning free, from teacher-forced acceptance on "
             "the first prompt's AR continuation and costs measured with the engine "
             "(`knapspec.bench.oracle`). 1.00 means nothing beats plain decoding.",
-            "",
             oracle_table(data),
-            "",
-            machine_caption(data),
-            "",
-        ]
+        )
         if any(line.get("lookup") for line in data.oracle):
-            parts += [
-                "## Oracle: layer skip vs prompt lookup",
-                "",
+            parts += _table_section(
+                data,
+                "Oracle: layer skip vs prompt lookup",
                 "The lookup family: the first prompt's AR continuation replayed through the "
                 "lookup drafter with a fixed k (k = 1 .. D), each round priced with the measured "
                 "t_verify(drafted + 1) plus the replay's measured lookup time "
                 "(`knapspec.bench.oracle.lookup_replay`). `knapspec of oracle` is its median "
                 f"speedup over the best of both families, where that exceeds "
                 f"{ORACLE_SHARE_THRESHOLD}x.",
-                "",
                 lookup_oracle_table(data),
-                "",
-                machine_caption(data),
-                "",
-            ]
+            )
     if any(row.get("drafters") for row in data.raw):
-        parts += [
-            "## Who drafted: per-drafter counts and overhead",
-            "",
+        parts += _table_section(
+            data,
+            "Who drafted: per-drafter counts and overhead",
             "Rounds, drafted and accepted tokens per drafter (`none`: plain steps, γ = 0), "
             "summed over every call; overhead is planning time, proposing lookup drafts "
             "included, over wall time.",
-            "",
             drafter_table(data),
-            "",
-            machine_caption(data),
-            "",
-        ]
+        )
     decode_phase = decode_phase_table(data)
     if decode_phase.count("\n") > 1:
-        parts += [
-            "## Decoding phase alone (prefill excluded)",
-            "",
+        parts += _table_section(
+            data,
+            "Decoding phase alone (prefill excluded)",
             "No drafter shortens the prefill; `ceiling` (plain wall time over plain prefill) "
             "caps every wall-time speedup above. Each call's decode time (wall minus "
             "prefill) against the mean of the plain calls around it; median [min-max]. "
             "`model.generate` rows are absent: their prefill is not timed apart.",
-            "",
             decode_phase,
-            "",
-            machine_caption(data),
-            "",
-        ]
+        )
     if (data.run_dir / MASKS_PLOT).exists():
         parts += ["## Masks KnapSpec chose", "", f"![masks]({image_prefix}{MASKS_PLOT})", ""]
     if data.vcurve:
-        parts += [
-            "## Verification cost v(k)",
-            "",
+        parts += _table_section(
+            data,
+            "Verification cost v(k)",
             "v(k) = time of one step over k new tokens / time of a 1-token step, at the "
             "prompt's context; `engine` is knapspec's preallocated cache, grouped-query "
             "attention and few-row linear kernel (after), `engine-f.linear` the same engine "
             "with the model's own `nn.Linear` layers (before), `hf-dynamic-cache` the model's "
             "own forward with a `DynamicCache`. The 1-token step column compares absolute "
             "speed.",
-            "",
             vcurve_table(data),
-            "",
-            machine_caption(data),
-            "",
-            f"![v(k)]({image_prefix}{VK_PLOT})",
-            "",
-        ]
+        )
+        parts += [f"![v(k)]({image_prefix}{VK_PLOT})", ""]
     if data.setup:
         parts += ["## One-time set-up (not timed in the calls)", "", setup_table(data), ""]
     return "\n".join(parts)
