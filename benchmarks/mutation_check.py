@@ -99,7 +99,7 @@ MUTANTS = (
     Mutant(
         "drafting-disabled",
         "the decoder never drafts (every round is a plain step)",
-        "src/knapspec/decoding/decoder.py",
+        "src/knapspec/decoding/run.py",
         (
             (
                 "draft = self._draft(plan, proposals, pending, n, budget)",
