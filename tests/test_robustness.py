@@ -226,7 +226,10 @@ def test_ctrl_c_at_any_moment_prints_one_line(delay_s: float, model_dir: Path) -
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=120)
     assert "Traceback" not in err, err
-    if process.returncode == 0:  # finished before the signal: nothing to check
+    lines = err.strip().splitlines()
+    if process.returncode == 0 or (lines and "tokens/s" in lines[-1]):
+        # Generation finished (its stats line was printed) before the signal, which then
+        # reached the exiting interpreter: nothing left to interrupt, no traceback.
         return
     # 130, or death by the re-raised SIGINT (the shell shows 130 too) after the line.
     assert process.returncode in (130, -signal.SIGINT), err
