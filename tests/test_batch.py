@@ -20,7 +20,6 @@ from tests.test_sampling import (
 from tests.tiny_models import greedy_reference, tiny_model
 
 import knapspec.decoding.batch as batch_module
-from knapspec.costmodels.base import CostModel
 from knapspec.decoding.batch import BatchGenerationResult, BatchRun
 from knapspec.decoding.batch_policy import (
     CostModelBatchPolicy,
@@ -35,6 +34,7 @@ from knapspec.model.batch_cache import BatchKVCache
 from knapspec.model.engine import ContextLengthError
 from knapspec.planners import LookupPlanner
 from knapspec.sampling import SamplingParams
+from knapspec.testing import VerifyCurveCostModel
 
 REPEATING = [5, 17, 23, 42, 8, 61, 3, 9, 30, 11] * 3
 
@@ -288,23 +288,9 @@ def test_seeded_rows_are_reproducible() -> None:
 
 
 # ------------------------------------------------------------------ the batch policy
-class _WidthCosts(CostModel):
+def _width_costs(flat: int) -> VerifyCurveCostModel:
     """Verification is memory-bound up to ``flat`` tokens, then costs per token."""
-
-    def __init__(self, flat: int) -> None:
-        self.flat = flat
-
-    def t_attn(self, context_length: int, layer: int | None = None) -> float:
-        return 0.1
-
-    def t_mlp(self, layer: int | None = None) -> float:
-        return 0.1
-
-    def overhead(self, context_length: int) -> float:
-        return 0.0
-
-    def verify_cost(self, tokens: int, context_length: int) -> float:
-        return max(1.0, tokens / self.flat)
+    return VerifyCurveCostModel(lambda tokens: max(1.0, tokens / flat))
 
 
 def _proposal() -> Draft:
@@ -312,7 +298,7 @@ def _proposal() -> Draft:
 
 
 def test_the_cost_model_policy_drafts_a_small_batch_and_not_a_large_one() -> None:
-    policy = CostModelBatchPolicy(_WidthCosts(flat=4), max_draft_length=4)
+    policy = CostModelBatchPolicy(_width_costs(flat=4), max_draft_length=4)
     policy.reset(8)
     assert policy.draft_lengths([0], [_proposal()], [100]) == [3]  # 4 tokens cost one step
     eight = list(range(8))
@@ -325,7 +311,7 @@ def test_the_default_policy_speculates_only_with_lookup_and_a_cost_model() -> No
     prompts = [REPEATING, REPEATING[3:]]
     plain = _decoder().generate(prompts, max_new_tokens=12)
     assert all(stats.drafted_tokens == 0 for stats in plain.stats)  # no cost model
-    decoder = SpeculativeDecoder(tiny_model("llama", 3), cost_model=_WidthCosts(flat=16))
+    decoder = SpeculativeDecoder(tiny_model("llama", 3), cost_model=_width_costs(flat=16))
     result = decoder.generate(prompts, max_new_tokens=12)
     _assert_rows_equal_alone("llama", prompts, result, 12)
     assert sum(stats.accepted_tokens for stats in result.stats) > 0

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from tests.tiny_models import greedy_reference, tiny_model
 
 from knapspec.config import ConfigError, DecoderConfig
-from knapspec.costmodels.base import CostModel
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.drafters import (
     DRAFTERS,
@@ -33,7 +32,7 @@ from knapspec.planners.objective import (
     expected_tokens,
 )
 from knapspec.registry import UnknownComponentError
-from knapspec.testing import check_registration
+from knapspec.testing import VerifyCurveCostModel, check_registration
 
 token_lists = st.lists(st.integers(0, 4), min_size=1, max_size=60)
 
@@ -186,26 +185,9 @@ def test_the_copy_streak_state_comes_from_the_last_round() -> None:
 REPETITIVE = torch.tensor([5, 17, 23, 42, 8, 61, 3, 9, 30, 11] * 6)
 
 
-class _FlatCosts(CostModel):
+def _flat_costs(slope: float) -> VerifyCurveCostModel:
     """Verification of ``k`` tokens costs ``1 + slope·(k - 1)`` steps."""
-
-    def __init__(self, slope: float) -> None:
-        self.slope = slope
-
-    def t_attn(self, context_length: int, layer: int | None = None) -> float:
-        return 0.1
-
-    def t_mlp(self, layer: int | None = None) -> float:
-        return 0.1
-
-    def overhead(self, context_length: int) -> float:
-        return 0.0
-
-    def verify_cost(self, tokens: int, context_length: int) -> float:
-        return 1.0 + self.slope * (tokens - 1)
-
-    def step_cost(self, context_length: int) -> float:
-        return 1.0
+    return VerifyCurveCostModel(lambda tokens: 1.0 + slope * (tokens - 1))
 
 
 @pytest.mark.parametrize("k", [1, 3, 10])
@@ -229,7 +211,7 @@ def _combined(
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_the_combined_search_drafts_lookup_tokens_when_verification_is_cheap(family: str) -> None:
     model = tiny_model(family, 3)
-    decoder = SpeculativeDecoder(model, planner=_combined(0.05), cost_model=_FlatCosts(0.05))
+    decoder = SpeculativeDecoder(model, planner=_combined(0.05), cost_model=_flat_costs(0.05))
     result = decoder.generate(REPETITIVE, max_new_tokens=40)
     assert torch.equal(result.tokens, greedy_reference(model, REPETITIVE, 40))
     lookup = result.stats.drafters["lookup"]
@@ -239,7 +221,7 @@ def test_the_combined_search_drafts_lookup_tokens_when_verification_is_cheap(fam
 
 def test_gamma_zero_wins_when_verifying_costs_as_much_as_stepping_and_says_why() -> None:
     model = tiny_model("llama", 3)
-    decoder = SpeculativeDecoder(model, planner=_combined(1.0), cost_model=_FlatCosts(1.0))
+    decoder = SpeculativeDecoder(model, planner=_combined(1.0), cost_model=_flat_costs(1.0))
     result = decoder.generate(REPETITIVE, max_new_tokens=20)
     assert torch.equal(result.tokens, greedy_reference(model, REPETITIVE, 20))
     assert result.stats.drafted_tokens == 0
@@ -254,7 +236,7 @@ def test_the_ablation_without_lookup_never_drafts_lookup_tokens() -> None:
     model = tiny_model("llama", 3)
     planner = _combined(0.05, drafters=("subnetwork",))
     assert planner.proposal_drafters() == frozenset()
-    decoder = SpeculativeDecoder(model, planner=planner, cost_model=_FlatCosts(0.05))
+    decoder = SpeculativeDecoder(model, planner=planner, cost_model=_flat_costs(0.05))
     result = decoder.generate(REPETITIVE, max_new_tokens=20)
     assert "lookup" not in result.stats.drafters
     assert result.stats.lookup_time_s == 0
@@ -276,7 +258,7 @@ def test_the_lookup_priors_of_the_config_price_the_drafts(prior: float, drafts: 
         }
     )
     model = tiny_model("llama", 3)
-    decoder = SpeculativeDecoder(model, config, cost_model=_FlatCosts(0.05))
+    decoder = SpeculativeDecoder(model, config, cost_model=_flat_costs(0.05))
     result = decoder.generate(REPETITIVE, max_new_tokens=30)
     assert torch.equal(result.tokens, greedy_reference(model, REPETITIVE, 30))
     assert (result.stats.drafted_tokens > 0) == drafts

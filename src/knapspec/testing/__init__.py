@@ -17,7 +17,8 @@ What is here:
   (a model on which speculation happens), and one model per supported family
   (:func:`tiny_model`); reference windows over random tokens (:func:`random_window`);
 * cost-model doubles (:mod:`~knapspec.testing.doubles`): :class:`AnalyticCostModel`
-  (shaped like the CPU measurements in ``models.md``) and :class:`CheapDraftCostModel`
+  (shaped like the CPU measurements in ``models.md``), :class:`VerifyCurveCostModel` and
+  :class:`CheapDraftCostModel`
   (drafting nearly free and verifying any width as cheap as one step: every planner that
   reads costs finds that drafting pays);
 * :func:`synthetic_profile`, a latency profile keyed to an engine, for cost models built
@@ -45,6 +46,7 @@ from knapspec.testing.doubles import (
     CheapDraftCostModel,
     NoParams,
     TopOneProxy,
+    VerifyCurveCostModel,
     synthetic_profile,
 )
 from knapspec.testing.models import (
@@ -65,6 +67,7 @@ __all__ = [
     "CheapDraftCostModel",
     "NoParams",
     "TopOneProxy",
+    "VerifyCurveCostModel",
     "check_cost_model",
     "check_proxy",
     "check_registration",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -51,6 +52,32 @@ class AnalyticCostModel(CostModel):
     def verify_cost(self, tokens: int, context_length: int) -> float:
         one = self.num_layers * (self.t_attn(context_length) + self.t_mlp())
         return self.overhead(context_length) + one * (1.0 + 0.1 * (tokens - 1))
+
+
+class VerifyCurveCostModel(CostModel):
+    """Sublayers cost 0.1 each and a verify pass over ``k`` tokens costs ``curve(k)``: for
+    tests of what a planner does with a given verify-width curve v(k).
+
+    Args:
+        curve: ``tokens -> seconds`` of one verify pass.
+    """
+
+    config_class = NoParams
+
+    def __init__(self, curve: Callable[[int], float]) -> None:
+        self.curve = curve
+
+    def t_attn(self, context_length: int, layer: int | None = None) -> float:
+        return 0.1
+
+    def t_mlp(self, layer: int | None = None) -> float:
+        return 0.1
+
+    def overhead(self, context_length: int) -> float:
+        return 0.0
+
+    def verify_cost(self, tokens: int, context_length: int) -> float:
+        return self.curve(tokens)
 
 
 class CheapDraftCostModel(CostModel):
@@ -145,5 +172,6 @@ __all__ = [
     "CheapDraftCostModel",
     "NoParams",
     "TopOneProxy",
+    "VerifyCurveCostModel",
     "synthetic_profile",
 ]
