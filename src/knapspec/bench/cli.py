@@ -74,6 +74,14 @@ def run_parser() -> argparse.ArgumentParser:
         "--new-tokens", type=positive_int, metavar="T", help="override every scenario's new tokens"
     )
     parser.add_argument(
+        "--batch-sizes",
+        nargs="+",
+        type=positive_int,
+        metavar="B",
+        help="override the batch sizes of the throughput scenario (default: 1 4 8; 1 4 with "
+        "--quick)",
+    )
+    parser.add_argument(
         "--prompts",
         type=positive_int,
         help="prompts per scenario and length (default: 2; 1 with --quick)",
@@ -178,6 +186,11 @@ def _options(args: argparse.Namespace, argv: Sequence[str] | None) -> BenchOptio
         )
     if args.new_tokens:
         scenarios = tuple(attrs.evolve(s, new_tokens=args.new_tokens) for s in scenarios)
+    if args.batch_sizes:
+        scenarios = tuple(
+            attrs.evolve(s, batch_sizes=tuple(args.batch_sizes)) if s.throughput else s
+            for s in scenarios
+        )
     available = default_methods()
     if args.ablations or (args.methods and any(m.startswith("knapspec-") for m in args.methods)):
         available += ablation_methods(args.profile)
@@ -232,7 +245,11 @@ def _run(argv: list[str]) -> int:
     args = run_parser().parse_args(argv)
     if args.list:
         for scenario in default_scenarios(quick=args.quick):
-            print(f"scenario {scenario.name}: {scenario.description} (N = {scenario.contexts})")
+            batches = f", B = {scenario.batch_sizes}" if scenario.throughput else ""
+            print(
+                f"scenario {scenario.name}: {scenario.description} "
+                f"(N = {scenario.contexts}{batches})"
+            )
         for method in (*default_methods(), *ablation_methods(Path("PROFILE"))):
             print(f"method {method.name}: {method.description}")
         return 0

@@ -9,7 +9,9 @@ A run directory ``results/bench/<run-name>/`` holds:
 * ``setup.jsonl`` — one-time set-up per method (decoder build, profiling, plan freezing),
   never part of a timed call;
 * ``oracle.jsonl`` — the frontier per scenario and context (:mod:`knapspec.bench.oracle`);
-* ``vcurve.jsonl`` — v(k) through the engine and through the HF forward.
+* ``vcurve.jsonl`` — v(k) through the engine and through the HF forward;
+* ``throughput.jsonl`` — one line per timed batched call of a throughput scenario
+  (:class:`~knapspec.bench.throughput.ThroughputRecord`).
 
 A run that fails its losslessness check leaves ``raw.jsonl`` renamed to
 ``raw.failed.jsonl``, so no report is ever drawn from it.
@@ -30,6 +32,7 @@ RUN_INFO = "run.json"
 SETUP = "setup.jsonl"
 ORACLE = "oracle.jsonl"
 VCURVE = "vcurve.jsonl"
+THROUGHPUT = "throughput.jsonl"
 
 
 class LosslessnessError(RuntimeError):
@@ -124,6 +127,7 @@ __all__ = [
     "RAW",
     "RUN_INFO",
     "SETUP",
+    "THROUGHPUT",
     "VCURVE",
     "LosslessnessError",
     "RunRecord",

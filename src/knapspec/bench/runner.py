@@ -51,12 +51,14 @@ from knapspec.bench.records import (
     RAW,
     RUN_INFO,
     SETUP,
+    THROUGHPUT,
     VCURVE,
     LosslessnessError,
     RunRecord,
     append_jsonl,
 )
 from knapspec.bench.scenarios import BenchPrompt, Scenario
+from knapspec.bench.throughput import run_throughput, scenario_methods, throughput_units
 from knapspec.bench.timing import engine_verify_seconds, filled_cache, hf_verify_seconds
 from knapspec.config import DecoderConfig
 from knapspec.decoding.decoder import SpeculativeDecoder
@@ -170,7 +172,9 @@ class Harness:
     # ------------------------------------------------------------------ files
     def _prepare_dir(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        existing = [self.run_dir / name for name in (RAW, FAILED_RAW, SETUP, ORACLE, VCURVE)]
+        existing = [
+            self.run_dir / name for name in (RAW, FAILED_RAW, SETUP, ORACLE, VCURVE, THROUGHPUT)
+        ]
         if any(path.exists() for path in existing):
             if not self.options.overwrite:
                 raise FileExistsError(
@@ -239,7 +243,7 @@ class Harness:
     def _freeze_plans(self, scenario: Scenario) -> None:
         """Static baselines: run the search planner on the set-up prompt, freeze its plan."""
         prompt = scenario.setup_prompt(self.tokenizer, scenario.contexts[0])
-        for method in self.options.methods:
+        for method in scenario_methods(scenario, self.options.methods):
             if not method.freeze_plan:
                 continue
             decoder = self.decoders[method.name]
@@ -388,10 +392,15 @@ class Harness:
     # ------------------------------------------------------------------ the run
     def _work_units(self) -> int:
         options, total = self.options, 0
-        calls_per_pair = 2 * (len(options.methods) - 1) + 1
         for scenario in options.scenarios:
+            methods = len(scenario_methods(scenario, options.methods))
+            if scenario.throughput:
+                units = throughput_units(scenario, methods, options.pairs, options.warmup_tokens)
+                total += units * len(scenario.contexts)
+                continue
+            calls_per_pair = 2 * (methods - 1) + 1
             per_context = options.prompts * options.pairs * calls_per_pair * scenario.new_tokens
-            per_context += len(options.methods) * options.warmup_tokens
+            per_context += methods * options.warmup_tokens
             per_context += self._analysis_units(scenario)
             total += per_context * len(scenario.contexts)
         return total
@@ -430,11 +439,16 @@ class Harness:
             for scenario in self.options.scenarios:
                 self._freeze_plans(scenario)
                 for context in scenario.contexts:
-                    self._run_context(scenario, context, measured_lengths)
+                    if scenario.throughput:
+                        run_throughput(self, scenario, context)
+                    else:
+                        self._run_context(scenario, context, measured_lengths)
         except LosslessnessError as error:
             raw = self.run_dir / RAW
             if raw.exists():
                 raw.rename(self.run_dir / FAILED_RAW)
+            else:  # the marker that keeps any report from being drawn from this run
+                (self.run_dir / FAILED_RAW).touch()
             self._write_info(status="failed", error=str(error))
             raise
         except BaseException as error:
@@ -451,12 +465,13 @@ class Harness:
         prompts = scenario.prompts(self.tokenizer, context, options.prompts)
         bar.set_description(f"{scenario.name} N={context} warm-up")
         warm = scenario.setup_prompt(self.tokenizer, context)
-        for method in options.methods:
+        methods = scenario_methods(scenario, options.methods)
+        for method in methods:
             self._call(method, warm, options.warmup_tokens, scenario.sampling)
             bar.update(options.warmup_tokens)
 
-        others = [m for m in options.methods if m.name != REFERENCE]
-        reference_method = next(m for m in options.methods if m.name == REFERENCE)
+        others = [m for m in methods if m.name != REFERENCE]
+        reference_method = next(m for m in methods if m.name == REFERENCE)
         first_reference: torch.Tensor | None = None
         for prompt in prompts:
             reference_tokens: torch.Tensor | None = None

@@ -43,6 +43,20 @@ def _positive_ints(instance: object, attribute: attrs.Attribute[Any], value: Any
         raise ValueError(f"{attribute.name} must be a non-empty tuple of lengths >= 0, got {value}")
 
 
+def _batch_sizes(instance: Scenario, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if any(int(v) < 1 for v in value):
+        raise ValueError(f"batch_sizes must be >= 1, got {value}")
+    if value and instance.sampling.do_sample:
+        raise ValueError(
+            f"scenario {instance.name!r}: a throughput scenario (batch_sizes) is greedy: its "
+            "rows are checked against plain decoding's"
+        )
+
+
+def _names(values: Iterable[str] | None) -> tuple[str, ...] | None:
+    return None if values is None else tuple(str(v) for v in values)
+
+
 @attrs.frozen
 class BenchPrompt:
     """One prompt of a scenario at one nominal length.
@@ -80,6 +94,10 @@ class Scenario:
         sampling: greedy (the default; outputs are checked token for token against AR) or
             sampled decoding.
         description: one line for the report.
+        batch_sizes: non-empty for a throughput scenario: its prompts are decoded as
+            batches of these sizes (:mod:`knapspec.bench.throughput`); greedy only.
+        methods: the names of the run's methods this scenario runs (the plain reference
+            always runs); None: all of them.
     """
 
     name: str
@@ -88,10 +106,19 @@ class Scenario:
     new_tokens: int = attrs.field(validator=attrs.validators.ge(1))
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
     description: str = ""
+    batch_sizes: tuple[int, ...] = attrs.field(
+        default=(), converter=_int_tuple, validator=_batch_sizes
+    )
+    methods: tuple[str, ...] | None = attrs.field(default=None, converter=_names)
 
     @property
     def greedy(self) -> bool:
         return not self.sampling.do_sample
+
+    @property
+    def throughput(self) -> bool:
+        """A throughput scenario: batches, not one prompt per call."""
+        return bool(self.batch_sizes)
 
     def prompts(self, tokenizer: Any, context: int, count: int) -> list[BenchPrompt]:
         """``count`` prompts at nominal length ``context`` (deterministic)."""
@@ -123,6 +150,9 @@ class Scenario:
 
 
 SAMPLING = SamplingParams(do_sample=True, temperature=0.7, top_p=0.9)
+#: What the throughput scenario runs: transformers' batched ``model.generate`` (the
+#: baseline), our batched plain decoding (``ar``) and our batched speculation.
+THROUGHPUT_METHODS = ("generate", "ar", "knapspec")
 
 
 def default_scenarios(*, quick: bool = False) -> tuple[Scenario, ...]:
@@ -135,6 +165,15 @@ def default_scenarios(*, quick: bool = False) -> tuple[Scenario, ...]:
             Scenario("edit", "edit", (256,), 16, description="rewrite with one change"),
             Scenario("long-generation", "long-generation", (0,), 32, description="short prompt"),
             Scenario("sampling", "summarise", (128,), 16, SAMPLING, "T = 0.7, top-p 0.9"),
+            Scenario(
+                "throughput",
+                "summarise",
+                (128,),
+                16,
+                description="batches of B summarise prompts",
+                batch_sizes=(1, 4),
+                methods=THROUGHPUT_METHODS,
+            ),
         )
     return (
         Scenario(
@@ -183,6 +222,16 @@ def default_scenarios(*, quick: bool = False) -> tuple[Scenario, ...]:
             SAMPLING,
             description="the long-input prompts sampled at T = 0.7, top-p 0.9",
         ),
+        Scenario(
+            "throughput",
+            "summarise",
+            (2048,),
+            128,
+            description="the long-input prompts decoded B at a time (B = 1, 4, 8), 128 new "
+            "tokens per row, greedy; new tokens over all rows per second",
+            batch_sizes=(1, 4, 8),
+            methods=THROUGHPUT_METHODS,
+        ),
     )
 
 
@@ -206,6 +255,7 @@ def select_scenarios(
 __all__ = [
     "PROMPT_KINDS",
     "SAMPLING",
+    "THROUGHPUT_METHODS",
     "BenchPrompt",
     "PromptKind",
     "Scenario",

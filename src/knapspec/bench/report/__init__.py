@@ -13,7 +13,8 @@ every run for each (scenario, N, method) the runs share.
 
 One module per concern: :mod:`~knapspec.bench.report.stats` (run data, summaries),
 :mod:`~knapspec.bench.report.tables` (Markdown tables), :mod:`~knapspec.bench.report.plots`
-and :mod:`~knapspec.bench.report.pages` (``report.md`` and the docs page).
+and :mod:`~knapspec.bench.report.pages` (``report.md`` and the docs page),
+:mod:`~knapspec.bench.report.throughput` (batched calls of throughput scenarios).
 """
 
 from knapspec.bench.report.pages import (
@@ -43,6 +44,11 @@ from knapspec.bench.report.tables import (
     setup_table,
     vcurve_table,
 )
+from knapspec.bench.report.throughput import (
+    ThroughputRow,
+    summarise_throughput,
+    throughput_table,
+)
 
 __all__ = [
     "DOCS_NOTE",
@@ -54,6 +60,7 @@ __all__ = [
     "ReportError",
     "RunData",
     "Spread",
+    "ThroughputRow",
     "across_runs_table",
     "comparable_calls",
     "demote_headings",
@@ -65,6 +72,8 @@ __all__ = [
     "run_name",
     "setup_table",
     "summarise",
+    "summarise_throughput",
+    "throughput_table",
     "vcurve_table",
     "write_docs",
     "write_report",

@@ -31,6 +31,7 @@ from knapspec.bench.report.tables import (
     setup_table,
     vcurve_table,
 )
+from knapspec.bench.report.throughput import throughput_table
 
 REPORT = "report.md"
 
@@ -89,15 +90,32 @@ def render(data: RunData, image_prefix: str = "") -> str:
         *_environment_lines(info),
         "",
         *_method_lines(data),
-        "## Speed, acceptance and time split",
-        "",
-        method_table(rows),
-        "",
-        machine_caption(data),
-        "",
-        f"![speedup vs context]({image_prefix}{SPEEDUP_PLOT})",
-        "",
     ]
+    if rows:
+        parts += [
+            "## Speed, acceptance and time split",
+            "",
+            method_table(rows),
+            "",
+            machine_caption(data),
+            "",
+            f"![speedup vs context]({image_prefix}{SPEEDUP_PLOT})",
+            "",
+        ]
+    if data.throughput:
+        parts += _table_section(
+            data,
+            "Throughput: batches of prompts",
+            "New tokens over all rows (each up to its EOS) per second of the whole batched "
+            "call, prefill included, per batch size B: `generate` is transformers' batched "
+            "`model.generate` on the left-padded batch, `ar` our batched plain decoding, the "
+            "others our batched speculation (B = 1: the single-sequence path). Median "
+            "[min-max] over pair rounds; the ratios divide each call by `model.generate`'s "
+            "and `ar`'s in the same round. `rows = ar`: rows identical to plain decoding's "
+            "(`model.generate`'s padded batch may differ in a few; an engine method that "
+            "differs fails the run).",
+            throughput_table(data),
+        )
     if data.oracle:
         parts += _table_section(
             data,
@@ -174,7 +192,8 @@ def write_report(run: Path | RunData, docs: Path | None = None) -> Path:
     data = run if isinstance(run, RunData) else RunData.load(run)
     run_dir = data.run_dir
     rows = summarise(data)
-    plot_speedup(data, rows, run_dir / SPEEDUP_PLOT)
+    if rows:
+        plot_speedup(data, rows, run_dir / SPEEDUP_PLOT)
     plot_masks(data, run_dir / MASKS_PLOT)
     plot_vcurves(data, run_dir / VK_PLOT)
     report = run_dir / REPORT

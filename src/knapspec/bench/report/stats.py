@@ -22,7 +22,16 @@ import attrs
 
 from knapspec.bench.drafter_report import ORACLE_SHARE_THRESHOLD
 from knapspec.bench.methods import GENERATE, REFERENCE
-from knapspec.bench.records import FAILED_RAW, ORACLE, RAW, RUN_INFO, SETUP, VCURVE, read_jsonl
+from knapspec.bench.records import (
+    FAILED_RAW,
+    ORACLE,
+    RAW,
+    RUN_INFO,
+    SETUP,
+    THROUGHPUT,
+    VCURVE,
+    read_jsonl,
+)
 
 
 class ReportError(ValueError):
@@ -71,7 +80,8 @@ class MethodRow:
 
 @attrs.frozen
 class RunData:
-    """Everything a run directory holds."""
+    """Everything a run directory holds (``throughput``: the batched calls of throughput
+    scenarios)."""
 
     run_dir: Path
     info: dict[str, Any]
@@ -79,13 +89,15 @@ class RunData:
     setup: list[dict[str, Any]]
     oracle: list[dict[str, Any]]
     vcurve: list[dict[str, Any]]
+    throughput: list[dict[str, Any]] = attrs.field(factory=list)
 
     @classmethod
     def load(cls, run_dir: Path) -> RunData:
         """Read a run directory.
 
         Raises:
-            ReportError: no such directory, a failed run, or no raw results.
+            ReportError: no such directory, a failed run, or no results (neither single
+                calls nor batched ones).
         """
         if not run_dir.is_dir():
             raise ReportError(f"{run_dir}: no such run directory")
@@ -97,8 +109,9 @@ class RunData:
         info_path = run_dir / RUN_INFO
         info = json.loads(info_path.read_text(encoding="utf-8")) if info_path.exists() else {}
         raw = list(read_jsonl(run_dir / RAW))
-        if not raw:
-            raise ReportError(f"{run_dir}: no results in {RAW}")
+        throughput = list(read_jsonl(run_dir / THROUGHPUT))
+        if not raw and not throughput:
+            raise ReportError(f"{run_dir}: no results in {RAW} or {THROUGHPUT}")
         return cls(
             run_dir,
             info,
@@ -106,11 +119,12 @@ class RunData:
             list(read_jsonl(run_dir / SETUP)),
             list(read_jsonl(run_dir / ORACLE)),
             list(read_jsonl(run_dir / VCURVE)),
+            throughput,
         )
 
     def methods(self) -> list[str]:
         listed = [m["name"] for m in self.info.get("methods", [])]
-        seen = list(dict.fromkeys(row["method"] for row in self.raw))
+        seen = list(dict.fromkeys(row["method"] for row in [*self.raw, *self.throughput]))
         return [m for m in listed if m in seen] + [m for m in seen if m not in listed]
 
     def oracle_speedup(self, scenario: str, context: int) -> float | None:
