@@ -369,6 +369,31 @@ def test_del_alphas_are_the_shadow_agreement(engine: SublayerEngine) -> None:
         assert planner.alphas_[exit_layer] == pytest.approx(agree / 10)
 
 
+@pytest.mark.parametrize(("prior_alpha", "prior_tokens"), [(0.9, 5), (0.0, 20), (1.0, 10_000)])
+def test_del_prior_smooths_the_agreement_rate(
+    engine: SublayerEngine, prior_alpha: float, prior_tokens: int
+) -> None:
+    """α = (agreements + prior_alpha · prior_tokens) / (scored + prior_tokens), per exit."""
+    context = build_context(engine, context_length=36, window_size=10)
+    plain = DELPlanner.from_config(DELPlannerConfig(max_new_tokens_per_update=64), engine)
+    plain.plan(context)
+    config = DELPlannerConfig(
+        max_new_tokens_per_update=64, prior_alpha=prior_alpha, prior_tokens=prior_tokens
+    )
+    smoothed = DELPlanner.from_config(config, engine)
+    smoothed.plan(context)
+    for exit_layer, rate in plain.alphas_.items():
+        expected = (rate * 10 + prior_alpha * prior_tokens) / (10 + prior_tokens)
+        assert smoothed.alphas_[exit_layer] == pytest.approx(expected)
+    if prior_alpha == 1.0:  # an overwhelming optimistic prior: the first exit drafts the cap
+        assert smoothed.choice_ is not None and smoothed.choice_.exit_layer == 1
+        assert smoothed.choice_.draft_length == 10
+    with pytest.raises(ValueError, match="prior_alpha"):
+        DELPlannerConfig(prior_alpha=1.5)
+    with pytest.raises(ValueError, match="prior_tokens"):
+        DELPlannerConfig(prior_tokens=-1)
+
+
 def test_del_plans_are_early_exits_maximising_tpl(engine: SublayerEngine) -> None:
     planner = DELPlanner.from_config(DELPlannerConfig(replan_interval=1), engine)
     for length in (30, 33, 37, 41):

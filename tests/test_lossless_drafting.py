@@ -44,6 +44,9 @@ FORCING: dict[str, dict[str, Any]] = {
     # SWIFT drafts only once a mask matches the target often enough; on the real model
     # its 45 %-skip masks may not within a short answer (0 is SWIFT's own behaviour).
     "swift": {"min_draft_matchness": 0.0},
+    # DEL's measured agreement on real text makes only the first exit pay, by a hair
+    # (α ≈ 1/L): an optimistic prior worth many tokens makes it draft whatever it measures.
+    "del": {"prior_alpha": 1.0, "prior_tokens": 10_000, "min_shadow_tokens": 1},
 }
 #: Per drafter, a config under which rounds draft with it and with nothing else.
 DRAFTER_CONFIGS: dict[str, dict[str, Any]] = {

@@ -36,7 +36,7 @@ import torch
 
 from knapspec.planners.base import PLANNERS, Planner, PlanningContext
 from knapspec.types import DraftPlan, SublayerMask
-from knapspec.validators import at_least, optional
+from knapspec.validators import at_least, optional, unit_interval
 
 if TYPE_CHECKING:
     from knapspec.model.engine import SublayerEngine
@@ -61,6 +61,11 @@ class DELPlannerConfig:
             re-plan, which bounds the LM-head work (one head call per token and exit).
         min_shadow_tokens: plans stay γ = 0 until this many shadow tokens were scored, so
             that a few lucky tokens cannot claim α = 1.
+        prior_alpha, prior_tokens: a prior belief about every exit's α, worth
+            ``prior_tokens`` shadow tokens: α = (agreements + prior_alpha · prior_tokens) /
+            (scored + prior_tokens) (Beta-prior smoothing). ``prior_tokens = 0`` (the default)
+            is DEL's plain agreement rate. A strong optimistic prior makes DEL draft before
+            the evidence says it pays (the lossless-drafting tests use it to force drafting).
     """
 
     min_exit_layer: int = attrs.field(default=1, validator=attrs.validators.ge(1))
@@ -70,6 +75,8 @@ class DELPlannerConfig:
     history_tokens: int = attrs.field(default=64, validator=attrs.validators.ge(1))
     max_new_tokens_per_update: int = attrs.field(default=16, validator=attrs.validators.ge(1))
     min_shadow_tokens: int = attrs.field(default=8, validator=attrs.validators.ge(1))
+    prior_alpha: float = attrs.field(default=0.5, validator=unit_interval)
+    prior_tokens: int = attrs.field(default=0, validator=attrs.validators.ge(0))
 
 
 @attrs.frozen
@@ -220,9 +227,10 @@ class DELPlanner(Planner):
             self._next_position = end
         if self._agreements:
             counts = torch.stack(list(self._agreements)).sum(dim=0).tolist()
-            seen = len(self._agreements)
+            prior = self.config.prior_alpha * self.config.prior_tokens
+            seen = len(self._agreements) + self.config.prior_tokens
             self.alphas_ = {
-                exit_layer: count / seen
+                exit_layer: (count + prior) / seen
                 for exit_layer, count in zip(self.exit_layers, counts, strict=True)
             }
 
