@@ -22,9 +22,11 @@ from tests.tiny_models import greedy_reference, tiny_model
 import knapspec.decoding.batch as batch_module
 from knapspec.decoding.batch import BatchGenerationResult, BatchRun
 from knapspec.decoding.batch_policy import (
+    BatchPassCalibration,
     CostModelBatchPolicy,
     FixedLookupBatchPolicy,
     PlainBatchPolicy,
+    batched_verify_cost,
 )
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.decoding.run import GenerationResult
@@ -305,6 +307,47 @@ def test_the_cost_model_policy_drafts_a_small_batch_and_not_a_large_one() -> Non
     assert policy.draft_lengths(eight, [_proposal()] * 8, [100] * 8) == [0] * 8
     # Rows without a proposal draft nothing; the others still do in a small batch.
     assert policy.draft_lengths([0, 1], [_proposal(), Draft((), LOOKUP)], [50, 60]) == [1, 0]
+
+
+def test_pass_calibration_averages_each_size_and_borrows_the_nearest() -> None:
+    calibration = BatchPassCalibration(smoothing=0.5)
+    assert calibration.factor(8) == 1.0  # nothing seen: the cost model as it is
+    calibration.observe(8, predicted=0.2, seconds=0.2)
+    calibration.observe(40, predicted=0.4, seconds=0.8)
+    calibration.observe(40, predicted=0.4, seconds=0.4)
+    assert calibration.factor(8) == pytest.approx(1.0)
+    assert calibration.factor(40) == pytest.approx(1.5)  # 2.0, then halfway to 1.0
+    assert calibration.factor(32) == pytest.approx(1.5)  # nearest seen size: 40
+    assert calibration.factor(12) == pytest.approx(1.0)  # nearest seen size: 8
+    calibration.observe(16, predicted=0.0, seconds=0.3)  # nothing to learn from
+    assert 16 not in calibration.ratios
+    with pytest.raises(ValueError, match="smoothing"):
+        BatchPassCalibration(smoothing=0.0)
+
+
+def test_a_wide_pass_that_ran_dear_stops_the_batch_drafting() -> None:
+    """The cost model makes 4 rows × 4 tokens look as cheap as a plain step; once such a
+    pass is measured at 4x its price, the policy prices it so and drafts nothing."""
+    costs = _width_costs(flat=16)
+    policy = CostModelBatchPolicy(costs, max_draft_length=3)
+    policy.reset(4)
+    rows = list(range(4))
+    assert policy.draft_lengths(rows, [_proposal()] * 4, [100] * 4) == [3] * 4
+    plain_price = batched_verify_cost(costs, 4, 1, 100)
+    policy.observe_pass(4, 1, 100, plain_price)  # a plain pass costs what was predicted
+    for width in (2, 3, 4):  # every draft width costs 4x its price
+        policy.observe_pass(4, width, 100, 4 * batched_verify_cost(costs, 4, width, 100))
+    assert policy.draft_lengths(rows, [_proposal()] * 4, [100] * 4) == [0] * 4
+    # The decoder keeps the calibration across calls, for the same cost model only.
+    decoder = SpeculativeDecoder(tiny_model("llama", 3), cost_model=costs)
+    decoder.generate([REPEATING, REPEATING[3:]], max_new_tokens=6)
+    learned = decoder._batch_calibration
+    assert learned.ratios  # the passes were measured
+    decoder.generate([REPEATING, REPEATING[3:]], max_new_tokens=6)
+    assert decoder._batch_calibration is learned
+    decoder.cost_model = _width_costs(flat=4)
+    decoder.generate([REPEATING, REPEATING[3:]], max_new_tokens=6)
+    assert decoder._batch_calibration is not learned
 
 
 def test_the_default_policy_speculates_only_with_lookup_and_a_cost_model() -> None:

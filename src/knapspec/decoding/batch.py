@@ -302,8 +302,10 @@ class BatchRun:
             )
         cache.set_lengths(new_lengths)
         # Not fed to the cost model: a batched pass is not a single sequence's verification
-        # of that width (every row reads its own cache), and would skew its estimates.
+        # of that width (every row reads its own cache), and would skew its estimates; the
+        # policy learns the batched passes' own correction instead.
         elapsed = self._now() - verify_start
+        self.policy.observe_pass(len(active), width, round(sum(contexts) / len(contexts)), elapsed)
         for row in active:
             self.stats[row].verify_time_s += elapsed
 

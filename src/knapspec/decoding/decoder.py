@@ -36,6 +36,7 @@ from knapspec.decoding.arguments import (
 from knapspec.decoding.batch import BatchGenerationResult, BatchRun, batch_prompts
 from knapspec.decoding.batch_policy import (
     BatchDraftPolicy,
+    BatchPassCalibration,
     CostModelBatchPolicy,
     PlainBatchPolicy,
 )
@@ -127,6 +128,10 @@ class SpeculativeDecoder:
         self.sampling = self.config.sampling
         self._window = WindowBuffer(self.config.window_rounds, self.config.window_max_tokens)
         self._cache = self.engine.new_cache(256)
+        # What batched passes really cost against this cost model's prices, kept across
+        # generate_batch calls (it describes the machine, not the prompts).
+        self._batch_calibration = BatchPassCalibration()
+        self._calibrated_cost_model = self.cost_model
         self._subnetwork = SubnetworkDrafter()
         #: The drafters whose proposals the planner reads before planning (its
         #: ``proposal_drafters()``), built from their ``[drafters.NAME]`` params.
@@ -307,10 +312,15 @@ class SpeculativeDecoder:
         params = sampling_params(sampling) if sampling is not None else self.sampling
         stop_ids = stop_set(eos_token_id)
         generators = row_generators(params, len(prompts), seeds, self.engine.device)
+        if self._calibrated_cost_model is not self.cost_model:  # a new cost model: new prices
+            self._batch_calibration = BatchPassCalibration()
+            self._calibrated_cost_model = self.cost_model
         if policy is None:
             uses_lookup = LOOKUP in self.planner.proposal_drafters()
             policy = (
-                CostModelBatchPolicy(self.cost_model, self.max_draft_length)
+                CostModelBatchPolicy(
+                    self.cost_model, self.max_draft_length, calibration=self._batch_calibration
+                )
                 if uses_lookup and self.cost_model is not None
                 else PlainBatchPolicy()
             )
