@@ -22,8 +22,9 @@ import pytest
 import torch
 from tests.test_cli import STATIC, assert_user_error, model_dir, run_cli
 
-from knapspec import cli
+from knapspec.cli import generate as cli_generate
 from knapspec.cli import main
+from knapspec.cli import plan as cli_plan
 
 __all__ = ["model_dir"]  # the fixture, imported for its use below
 
@@ -86,7 +87,8 @@ def test_invalid_replanning_field_is_refused_before_the_model_loads(
     def no_model(name: str) -> Any:
         raise AssertionError("the model was loaded before the config was checked")
 
-    monkeypatch.setattr(cli, "_load_model", no_model)
+    monkeypatch.setattr(cli_generate, "load_model", no_model)
+    monkeypatch.setattr(cli_plan, "load_model", no_model)
     for command in ("generate", "plan"):
         args = [command, "--prompt", "the cat", "--set", "planner.acceptance_smoothing=2"]
         assert main(args) == 2

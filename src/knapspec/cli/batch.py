@@ -6,10 +6,13 @@ lines are skipped. Prompts are decoded ``B`` at a time (:meth:`SpeculativeDecode
 with a list of sequences); each result is one JSON line ``{"index", "id", "completion",
 "stop_reason", "prompt_tokens", "new_tokens", "drafted_tokens", "accepted_tokens"}`` on
 stdout (or ``--output``), in input order, and a summary per batch goes to stderr.
+
+Like the rest of :mod:`knapspec.cli`, it imports only the standard library at the top.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -17,25 +20,50 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from knapspec.cli.common import UsageError
+from knapspec.cli.inputs import encode_prompt, import_decoder, load_model
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from knapspec.config import DecoderConfig
     from knapspec.decoding.decoder import SpeculativeDecoder
 
 
-def read_prompts(path: Path, error: Callable[[str], Exception]) -> list[tuple[Any, str]]:
+def generate_prompts_file(args: argparse.Namespace, config: DecoderConfig) -> int:
+    """``--prompts-file``: decode every prompt of a JSONL file in batches, JSONL out."""
+    for option in ("prompt", "prompt_file", "compare", "stream", "json"):
+        if getattr(args, option):
+            flag = "--" + option.replace("_", "-")
+            raise UsageError(f"{flag} cannot be combined with --prompts-file")
+    prompts = read_prompts(args.prompts_file)
+    model, tokenizer = load_model(args.model)
+    decoder = import_decoder().from_config(model, config)
+    generate_file(
+        decoder,
+        tokenizer,
+        prompts,
+        lambda text: encode_prompt(tokenizer, text, args.chat),
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        output=args.output,
+    )
+    return 0
+
+
+def read_prompts(path: Path) -> list[tuple[Any, str]]:
     """``(id, prompt)`` per non-blank line of the JSONL file ``path``.
 
     Raises:
-        ``error(message)``: a missing or unreadable file, a line that is not JSON, not a
+        UsageError: a missing or unreadable file, a line that is not JSON, not a
         string nor an object with a ``"prompt"`` string, an empty prompt, no prompts.
     """
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
-        raise error(f"prompts file not found: {path}") from None
+        raise UsageError(f"prompts file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as reason:
-        raise error(f"cannot read prompts file {path}: {reason}") from None
+        raise UsageError(f"cannot read prompts file {path}: {reason}") from None
     prompts: list[tuple[Any, str]] = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -43,19 +71,19 @@ def read_prompts(path: Path, error: Callable[[str], Exception]) -> list[tuple[An
         try:
             value = json.loads(line)
         except json.JSONDecodeError as reason:
-            raise error(f"{path}, line {number}: not JSON ({reason.msg})") from None
+            raise UsageError(f"{path}, line {number}: not JSON ({reason.msg})") from None
         key: Any = None
         if isinstance(value, dict):
             key, value = value.get("id"), value.get("prompt")
         if not isinstance(value, str):
-            raise error(
+            raise UsageError(
                 f'{path}, line {number}: expected a string or an object with a "prompt" string'
             )
         if not value.strip():
-            raise error(f"{path}, line {number}: the prompt is empty")
+            raise UsageError(f"{path}, line {number}: the prompt is empty")
         prompts.append((key, value))
     if not prompts:
-        raise error(f"{path} holds no prompts")
+        raise UsageError(f"{path} holds no prompts")
     return prompts
 
 
@@ -105,4 +133,4 @@ def generate_file(
             stream.close()
 
 
-__all__ = ["generate_file", "read_prompts"]
+__all__ = ["generate_file", "generate_prompts_file", "read_prompts"]

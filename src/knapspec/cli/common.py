@@ -1,6 +1,9 @@
-"""Helpers shared by the ``knapspec`` command (:mod:`knapspec.cli`) and its ``bench``
-harness (:mod:`knapspec.bench.cli`): argument types and the ``--config`` / ``--set``
-reading. Both import this module; neither imports the other at module level."""
+"""What every part of the ``knapspec`` command shares, and its ``bench`` harness too.
+
+The program name, the two error classes the command reports as one line (see
+:mod:`knapspec.cli`), the ``positive_int`` argument type and the ``--config`` / ``--set``
+reading. :mod:`knapspec.bench.cli` imports this module; nothing here imports the harness.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +14,17 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from knapspec.config import DecoderConfig
+
+
+PROG = "knapspec"
+
+
+class UsageError(Exception):
+    """Bad command-line input (exit code 2)."""
+
+
+class RunError(Exception):
+    """The requested work failed for a reason the user can act on (exit code 1)."""
 
 
 def positive_int(text: str) -> int:
@@ -38,4 +52,4 @@ def load_decoder_config(config_path: Path | None, overrides: Sequence[str]) -> D
     return apply_overrides(config, overrides) if overrides else config
 
 
-__all__ = ["load_decoder_config", "positive_int"]
+__all__ = ["PROG", "RunError", "UsageError", "load_decoder_config", "positive_int"]

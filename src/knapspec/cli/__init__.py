@@ -1,0 +1,107 @@
+"""The ``knapspec`` command: ``generate``, ``plan``, ``profile`` and ``bench``.
+
+Every subcommand reads a decoder config (``--config FILE``, TOML or JSON; the built-in
+defaults otherwise) and applies ``--set KEY=VALUE`` overrides in order. Exit codes: 0 on
+success, 2 for a usage or config error (as argparse does), 1 when the work itself fails.
+User errors are reported as one ``knapspec: error: ...`` line on stderr (on a line of its
+own: open progress bars are closed first), never a traceback; anything else is a bug and
+propagates. Ctrl-C at any point prints ``knapspec: error: interrupted`` and exits 130.
+
+Every module of the package imports only the standard library (and its sibling modules)
+at the top: torch, transformers and the library load inside :func:`main`, so that a Ctrl-C
+during those imports is caught too.
+
+The package: this module runs the command and turns errors into exit codes;
+:mod:`~knapspec.cli.parser` builds the parser; :mod:`~knapspec.cli.generate` (one prompt),
+:mod:`~knapspec.cli.batch` (``--prompts-file``) and :mod:`~knapspec.cli.plan` (``plan``,
+``profile``) do the work, reading their input through :mod:`~knapspec.cli.inputs`;
+:mod:`~knapspec.cli.common` holds what they and the ``bench`` harness share.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from knapspec.cli.common import PROG, RunError, UsageError
+from knapspec.cli.inputs import DEFAULT_CHAPTER, DEFAULT_INSTRUCTION, default_prompt
+from knapspec.cli.parser import build_parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``knapspec`` command line; returns the process exit code."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # anywhere, the heavy imports included
+        _error("interrupted")
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if args.command == "bench":
+            args.bench_argv = argv[argv.index("bench") + 1 :]
+        elif extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as exit_:  # argparse: --help (0) or a usage error (2, already printed)
+        return exit_.code if isinstance(exit_.code, int) else 2
+    usage_errors, run_errors = _error_classes()
+    try:
+        code: int = args.handler(args, extra)
+        return code
+    except usage_errors as error:
+        _error(str(error))
+        return 2
+    except run_errors as error:
+        _error(str(error))
+        return 1
+
+
+def _error_classes() -> tuple[tuple[type[Exception], ...], tuple[type[Exception], ...]]:
+    """The exceptions reported as one line: usage errors (exit 2) and run errors (exit 1).
+
+    Imported here, not at the top, because they pull in torch (see the module docstring).
+    """
+    from knapspec.config import ConfigError
+    from knapspec.costmodels.profile import ProfileError
+    from knapspec.model.engine import ContextLengthError, UnsupportedModelError
+    from knapspec.registry import UnknownComponentError
+
+    usage: tuple[type[Exception], ...] = (UsageError, ConfigError, UnknownComponentError)
+    run: tuple[type[Exception], ...] = (
+        RunError,
+        UnsupportedModelError,
+        ContextLengthError,
+        ProfileError,
+    )
+    return usage, run
+
+
+def _error(message: str) -> None:
+    """Print the one error line, on a line of its own even while a progress bar is shown."""
+    tqdm_module = sys.modules.get("tqdm")
+    bar_class = getattr(tqdm_module, "tqdm", None)
+    # A bar left open by the failure (generation's token bar) would be redrawn after the
+    # line, or have the line appended to it; closing it clears its line first.
+    for bar in list(getattr(bar_class, "_instances", ())):
+        bar.close()
+    line = f"{PROG}: error: {message}"
+    if bar_class is not None:
+        bar_class.write(line, file=sys.stderr)
+    else:
+        print(line, file=sys.stderr)
+
+
+__all__ = [
+    "DEFAULT_CHAPTER",
+    "DEFAULT_INSTRUCTION",
+    "PROG",
+    "RunError",
+    "UsageError",
+    "build_parser",
+    "default_prompt",
+    "main",
+]

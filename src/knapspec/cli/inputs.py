@@ -1,0 +1,122 @@
+"""What ``generate`` and ``plan`` read: the prompt, the model and tokenizer, the decoder class.
+
+Each failure the user can act on becomes a :class:`~knapspec.cli.common.UsageError` (bad
+input) or a :class:`~knapspec.cli.common.RunError` (the model would not load). Torch,
+transformers and the library are imported inside the functions (see :mod:`knapspec.cli`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from knapspec.cli.common import RunError, UsageError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+#: The chapter ``knapspec generate`` summarises when given no prompt (package data).
+DEFAULT_CHAPTER = "data/pride_and_prejudice_chapter3.txt"
+DEFAULT_INSTRUCTION = "Summarize the following chapter in a few sentences."
+
+
+def default_prompt() -> str:
+    """The instruction and the shipped public-domain chapter (about 2,200 tokens)."""
+    from importlib.resources import files
+
+    chapter = files("knapspec").joinpath(DEFAULT_CHAPTER).read_text(encoding="utf-8")
+    return f"{DEFAULT_INSTRUCTION}\n\n{chapter}"
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    """``--prompt`` or ``--prompt-file``'s text, or :func:`default_prompt` without either."""
+    if args.prompt is None and getattr(args, "prompt_file", None) is None:
+        return default_prompt()
+    if args.prompt_file is not None:
+        try:
+            text: str = args.prompt_file.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise UsageError(f"prompt file not found: {args.prompt_file}") from None
+        except (OSError, UnicodeDecodeError) as error:
+            raise UsageError(f"cannot read prompt file {args.prompt_file}: {error}") from None
+    else:
+        text = args.prompt
+    if not text.strip():
+        raise UsageError("the prompt is empty")
+    return text
+
+
+def load_model(name_or_path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """``--model``: the default model (provisioned on first use) or a local directory."""
+    from knapspec.model.provision import (
+        DEFAULT_ALIASES,
+        ProvisioningError,
+        load_model_and_tokenizer,
+    )
+
+    if name_or_path.strip().lower() not in DEFAULT_ALIASES:
+        if not Path(name_or_path).is_dir():
+            raise UsageError(
+                f"--model {name_or_path!r}: no such directory; give 'default' or the path of "
+                "a local transformers model directory"
+            )
+        if not (Path(name_or_path) / "config.json").is_file():
+            raise UsageError(
+                f"--model {name_or_path!r}: not a transformers model directory (it has no "
+                "config.json); give 'default' or a directory written by save_pretrained"
+            )
+    try:
+        return load_model_and_tokenizer(name_or_path, progress=True)
+    except ProvisioningError as error:
+        raise RunError(str(error)) from error
+    # A directory without loadable weights / tokenizer, or a config transformers rejects.
+    except (OSError, ValueError, KeyError) as error:
+        reason = " ".join(str(error).split())
+        raise RunError(f"cannot load model from {name_or_path!r}: {reason}") from error
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool | None) -> torch.Tensor:
+    """``(n,)`` prompt token ids, wrapped in the chat template when asked (or by default)."""
+    import torch
+
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    use_chat = has_template if chat is None else chat
+    if use_chat and not has_template:
+        raise UsageError("--chat: this model's tokenizer has no chat template")
+    if use_chat:
+        messages = [{"role": "user", "content": text}]
+        text = str(
+            tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        )
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer(text)["input_ids"]
+    if len(ids) == 0:
+        raise UsageError("the prompt encodes to no tokens")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def import_decoder() -> Any:
+    """The ``SpeculativeDecoder`` class, imported on use (it pulls in torch)."""
+    try:
+        module = importlib.import_module("knapspec.decoding.decoder")
+    except ModuleNotFoundError as error:
+        if error.name != "knapspec.decoding.decoder":
+            raise
+        raise RunError("the speculative decoder is not available in this installation") from None
+    return module.SpeculativeDecoder
+
+
+__all__ = [
+    "DEFAULT_CHAPTER",
+    "DEFAULT_INSTRUCTION",
+    "default_prompt",
+    "encode_prompt",
+    "import_decoder",
+    "load_model",
+    "read_prompt",
+]

@@ -1,0 +1,206 @@
+"""The argument parser of the ``knapspec`` command: its subcommands and their options.
+
+Each subcommand's handler lives with its work (:mod:`knapspec.cli.generate`,
+:mod:`knapspec.cli.plan`); ``bench`` only forwards its arguments to the harness
+(:mod:`knapspec.bench.cli`), which parses them itself. Like the rest of
+:mod:`knapspec.cli`, this module imports only the standard library at the top.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from knapspec.cli.common import PROG, load_decoder_config, positive_int
+from knapspec.cli.generate import run_generate
+from knapspec.cli.plan import run_plan, run_profile
+
+
+def _add_config_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("configuration")
+    group.add_argument(
+        "--config",
+        metavar="FILE",
+        type=Path,
+        help="decoder config file (.toml or .json; see examples/ and docs/configuration.md). "
+        "Without it the built-in defaults are used.",
+    )
+    group.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="override one config field, e.g. --set planner.name=static --set "
+        "planner.draft_length=3 --set sampling.temperature=0.7. VALUE is read as TOML "
+        '(numbers, true/false, [lists], "strings"; a bare word is a string). Repeatable; '
+        "a component name change resets that component's other fields to its defaults.",
+    )
+
+
+def _add_model_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        metavar="PATH_OR_DEFAULT",
+        default="default",
+        help="'default' (SmolLM2-135M-Instruct, provisioned into the knapspec cache on first "
+        "use) or the path of a local transformers model directory (config, weights, "
+        "tokenizer). Default: %(default)s.",
+    )
+
+
+def _add_prompt_options(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    source = parser.add_mutually_exclusive_group(required=required)
+    source.add_argument("--prompt", metavar="TEXT", help="the prompt text")
+    source.add_argument(
+        "--prompt-file", metavar="FILE", type=Path, help="read the prompt from a UTF-8 file"
+    )
+    parser.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="wrap the prompt as a user message with the tokenizer's chat template. Default: "
+        "on when the tokenizer has a chat template (instruct models), off otherwise.",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``knapspec`` command."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Training-free self-speculative decoding: the draft is a subset of the "
+        "model's own attention and MLP sublayers, chosen as a 0/1 knapsack.",
+        epilog="Run 'knapspec COMMAND --help' for the options of a command.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    generate = commands.add_parser(
+        "generate",
+        help="generate a completion with speculative decoding",
+        description="Generate a completion for a prompt with the configured speculative "
+        "decoder. The completion goes to stdout, a one-line summary (tokens/s, acceptance "
+        "rate, mean accepted length) to stderr. Without --prompt / --prompt-file the prompt "
+        "asks for a summary of a chapter of Pride and Prejudice shipped with the package, "
+        "an input where lookup drafts pay.",
+    )
+    _add_prompt_options(generate, required=False)
+    _add_model_option(generate)
+    generate.add_argument(
+        "--compare",
+        action="store_true",
+        help="also decode the same prompt plainly (no speculation), then print the speed "
+        "ratio, whether the tokens are identical, and what the planner chose (drafter, γ, "
+        "predicted vs measured acceptance)",
+    )
+    generate.add_argument(
+        "--max-new-tokens",
+        metavar="N",
+        type=positive_int,
+        default=128,
+        help="generate at most N new tokens (stops earlier at end-of-sequence). "
+        "Default: %(default)s.",
+    )
+    generate.add_argument(
+        "--stream",
+        action="store_true",
+        help="print the completion token by token as it is committed",
+    )
+    generate.add_argument(
+        "--prompts-file",
+        metavar="FILE",
+        type=Path,
+        help="decode many prompts: a JSONL file, one prompt a line (a JSON string or "
+        '{"prompt": ..., "id": ...}); writes one JSON line per prompt (completion, stop '
+        "reason, token counts) in input order",
+    )
+    generate.add_argument(
+        "--batch-size",
+        metavar="B",
+        type=positive_int,
+        default=8,
+        help="with --prompts-file, prompts decoded together in one batch. Default: %(default)s.",
+    )
+    generate.add_argument(
+        "--output",
+        metavar="FILE",
+        type=Path,
+        help="with --prompts-file, write the JSON lines to FILE instead of stdout",
+    )
+    generate.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object {completion, stats, config} on stdout instead of the "
+        "plain completion and summary",
+    )
+    _add_config_options(generate)
+    generate.set_defaults(handler=run_generate)
+
+    plan = commands.add_parser(
+        "plan",
+        help="show the draft the configured planner chooses for a prompt",
+        description="Prefill the prompt, take the full model's hidden states on its last "
+        "tokens as the reference window, and print the plan the configured planner chooses: "
+        "the draft mask as an item map (one column per layer; A / M = attention / MLP "
+        "runs, . = skipped), the draft length γ and the predicted acceptance and speed.",
+    )
+    _add_prompt_options(plan, required=True)
+    _add_model_option(plan)
+    plan.add_argument(
+        "--window-tokens",
+        metavar="N",
+        type=positive_int,
+        default=None,
+        help="reference-window size in prompt tokens. Default: the config's "
+        "window_max_tokens (capped by the prompt length).",
+    )
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    _add_config_options(plan)
+    plan.set_defaults(handler=run_plan)
+
+    profile = commands.add_parser(
+        "profile",
+        help="measure this machine's sublayer latencies for the cost models",
+        description="Micro-benchmark the model on this machine (every layer's attention "
+        "over a ladder of context lengths, every MLP, the per-step overhead and full "
+        "verification of 1..D+1 tokens) and write the latency profile as JSON.",
+    )
+    _add_model_option(profile)
+    profile.add_argument(
+        "--output",
+        metavar="FILE",
+        type=Path,
+        default=None,
+        help="where to write the profile JSON. Default: this model's and machine's cache "
+        "file (the one the default online cost model loads; $KNAPSPEC_PROFILE overrides it).",
+    )
+    profile.add_argument(
+        "--quick",
+        action="store_true",
+        help="a few-seconds profile (short ladders, 3 repeats) for smoke tests",
+    )
+    _add_config_options(profile)
+    profile.set_defaults(handler=run_profile)
+
+    bench = commands.add_parser(
+        "bench",
+        help="run the benchmark harness (its own options: knapspec bench --help)",
+        description="Benchmark harness; every argument after 'bench' is passed to it.",
+        add_help=False,
+    )
+    _add_config_options(bench)
+    bench.set_defaults(handler=_run_bench)
+    return parser
+
+
+def _run_bench(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    # Validate --config/--set here so that config errors look the same in every command;
+    # the harness receives the original arguments and parses them itself.
+    if args.config is not None or args.overrides:
+        load_decoder_config(args.config, args.overrides)
+    from knapspec.bench.cli import cli_main  # the harness imports torch & co.: load on use
+
+    return int(cli_main(list(args.bench_argv)) or 0)
+
+
+__all__ = ["build_parser"]
