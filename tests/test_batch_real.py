@@ -36,3 +36,29 @@ def test_a_mixed_length_batch_equals_each_prompt_alone() -> None:
         )
         assert torch.equal(result.tokens[row], out[0, prompt.numel() :]), f"row {row} differs"
     assert result.stats[0].accepted_tokens > 0
+
+
+def test_a_batch_drafting_with_a_shared_subnetwork_equals_each_prompt_alone() -> None:
+    """Real text, a real layer-skipping mask (every third MLP and the last attention items
+    skipped), sub-network drafts forced in every row: still model.generate's tokens."""
+    from knapspec import FixedSubnetworkBatchPolicy, StaticPlanner, SublayerMask
+
+    model, tokenizer = load_model_and_tokenizer(progress=False)
+    layers = model.config.num_hidden_layers
+    skipped = tuple(sorted({2 * layer + 1 for layer in range(0, layers, 3)} | {2 * layers - 2}))
+    prompts = [copy_prompt(tokenizer, 120, seed=4), long_input_prompt(tokenizer, 200, seed=5)]
+    eos = model.generation_config.eos_token_id
+    decoder = SpeculativeDecoder(
+        model, planner=StaticPlanner(SublayerMask.from_skipped(layers, skipped), 3)
+    )
+    result = decoder.generate_batch(
+        prompts, max_new_tokens=NEW_TOKENS, eos_token_id=eos, policy=FixedSubnetworkBatchPolicy(3)
+    )
+    for row, prompt in enumerate(prompts):
+        ids = prompt.unsqueeze(0)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False
+        )
+        assert torch.equal(result.tokens[row], out[0, prompt.numel() :]), f"row {row} differs"
+        assert result.stats[row].drafters["subnetwork"].drafted > 0
+    assert sum(s.accepted_tokens for s in result.stats) > 0

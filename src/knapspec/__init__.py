@@ -42,9 +42,12 @@ if TYPE_CHECKING:
     from knapspec.decoding.batch import BatchGenerationResult
     from knapspec.decoding.batch_policy import (
         BatchDraftPolicy,
+        BatchSubnetwork,
         CostModelBatchPolicy,
         FixedLookupBatchPolicy,
+        FixedSubnetworkBatchPolicy,
         PlainBatchPolicy,
+        RoundPlan,
     )
     from knapspec.decoding.decoder import GenerationResult, SpeculativeDecoder
     from knapspec.decoding.stats import GenerationStats, PlanRecord
@@ -106,6 +109,9 @@ _EXPORTS = {
     "BatchDraftPolicy": "knapspec.decoding.batch_policy",
     "CostModelBatchPolicy": "knapspec.decoding.batch_policy",
     "FixedLookupBatchPolicy": "knapspec.decoding.batch_policy",
+    "FixedSubnetworkBatchPolicy": "knapspec.decoding.batch_policy",
+    "BatchSubnetwork": "knapspec.decoding.batch_policy",
+    "RoundPlan": "knapspec.decoding.batch_policy",
     "PlainBatchPolicy": "knapspec.decoding.batch_policy",
     "GenerationStats": "knapspec.decoding.stats",
     "KVCache": "knapspec.model",
@@ -165,6 +171,7 @@ __all__ = [
     "AutoregressivePlanner",
     "BatchDraftPolicy",
     "BatchGenerationResult",
+    "BatchSubnetwork",
     "BayesianPlanner",
     "CLaSpPlanner",
     "Component",
@@ -182,6 +189,7 @@ __all__ = [
     "EarlyExitPlanner",
     "FittedLinearCostModel",
     "FixedLookupBatchPolicy",
+    "FixedSubnetworkBatchPolicy",
     "GenerationResult",
     "GenerationStats",
     "KVCache",
@@ -202,6 +210,7 @@ __all__ = [
     "ProvisioningError",
     "ReferenceWindow",
     "Registry",
+    "RoundPlan",
     "SamplingParams",
     "SpeculativeDecoder",
     "StaticPlanner",

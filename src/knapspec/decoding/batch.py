@@ -1,12 +1,21 @@
-"""Batched decoding: several prompts at once, per-row lookup drafts, ragged acceptance.
+"""Batched decoding: several prompts at once, per-row drafts, ragged acceptance.
 
 One round over the active rows::
 
     proposals = each row's lookup continuation            # per-row n-gram index
-    γ_r       = policy.draft_lengths(...)                  # batch-level TPT, 0 allowed
+    plan      = policy.plan_round(...)                     # batch-level TPT: γ_r, drafter_r
+    drafts    = lookup rows: their proposal's first γ_r tokens;
+                sub-network rows: G = max γ_r batched steps of the shared mask
     logits    = full model on [pending_r, drafts_r] per row, padded to 1 + max γ_r
     each row keeps its accepted prefix + one target token; its cache length moves to
     exactly its committed tokens (a row that accepts 0 and one that accepts all coexist)
+
+The sub-network (a layer-skipping mask) is chosen once per call: the decoder's planner
+plans on the first row right after its prefill (:class:`SubnetworkPlanner`), and the
+policy prices it every round against the rows' lookup drafts and γ = 0. Its batched steps
+run on every active row (one product over all rows; a row that drafts with lookup ignores
+its sub-network tokens) and write K/V only past the rows' committed lengths, where the
+verification overwrites them.
 
 Rows that stop (EOS or ``max_new_tokens``) leave the batch: the cache packs the remaining
 rows to the front and later steps compute only those. Each row's prefill runs alone
@@ -20,16 +29,16 @@ lossless rejection sampling, so each is distributed as the target.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
-from knapspec.decoding.batch_policy import BatchDraftPolicy
+from knapspec.decoding.batch_policy import BatchDraftPolicy, BatchSubnetwork, RoundPlan
 from knapspec.decoding.stats import GenerationStats
 from knapspec.decoding.verify import check_finite, verify_greedy, verify_sampling
-from knapspec.drafters.base import LOOKUP, Draft
+from knapspec.drafters.base import LOOKUP, SUBNETWORK, Draft
 from knapspec.drafters.lookup import LookupDrafter
 from knapspec.model.batched import forward_batch, new_batch_cache
 from knapspec.sampling import SamplingParams, processed_probs, sample_token
@@ -37,7 +46,12 @@ from knapspec.sampling import SamplingParams, processed_probs, sample_token
 if TYPE_CHECKING:
     from knapspec.model.batch_cache import BatchKVCache
     from knapspec.model.cache import KVCache
-    from knapspec.model.engine import SublayerEngine
+    from knapspec.model.engine import ForwardOutput, SublayerEngine
+
+#: ``(prompt (n,), its prefill in the single-sequence cache, the prefill's output) ->`` the
+#: sub-network the batch may draft with (None: none). Called once, after the first row's
+#: prefill; the output carries the item points when :attr:`capture_points` asks for them.
+SubnetworkPlanner = Callable[[torch.Tensor, "KVCache", "ForwardOutput"], BatchSubnetwork | None]
 
 
 @attrs.frozen
@@ -149,6 +163,9 @@ class BatchRun:
         policy: chooses each row's γ per round.
         lookup: a drafter whose config every row's own lookup drafter copies.
         generators: per row, its sampling generator (None when greedy).
+        plan_subnetwork: chooses the sub-network on the first row (None: lookup only).
+        capture_points: the first row's prefill records the item points (the planner
+            reads them as its reference window).
     """
 
     def __init__(
@@ -164,6 +181,8 @@ class BatchRun:
         max_draft_length: int,
         lookup: LookupDrafter | None,
         generators: list[torch.Generator | None],
+        plan_subnetwork: SubnetworkPlanner | None = None,
+        capture_points: bool = False,
     ) -> None:
         self.engine = engine
         self.scratch = scratch
@@ -174,6 +193,9 @@ class BatchRun:
         self.policy = policy
         self.max_draft_length = max_draft_length
         self.generators = generators
+        self.plan_subnetwork = plan_subnetwork
+        self.capture_points = capture_points
+        self.subnetwork: BatchSubnetwork | None = None
         count = len(prompts)
         self.drafters = [
             LookupDrafter(lookup.config if lookup is not None else None) for _ in range(count)
@@ -213,11 +235,21 @@ class BatchRun:
         capacity = max(p.numel() for p in prompts) + self.max_new_tokens + self.max_draft_length
         cache = new_batch_cache(engine, len(prompts), capacity)
         self.policy.reset(len(prompts))
+        self.policy.use_subnetwork(None)
         pending: list[int] = []
         for row, prompt in enumerate(prompts):
             started = self._now()
             self.scratch.reset()
-            out = engine.forward(prompt, 0, self.scratch, all_logits=False)
+            planning = row == 0 and self.plan_subnetwork is not None
+            capture = planning and self.capture_points
+            out = engine.forward(
+                prompt,
+                0,
+                self.scratch,
+                all_logits=False,
+                capture_points=capture,
+                capture_last=min(8, prompt.numel()) if capture else None,
+            )
             check_finite(out.logits, f"prefill of row {row}")
             cache.load_row(row, self.scratch, prompt.numel())
             token = self._choose(row, out.logits[-1])
@@ -225,6 +257,12 @@ class BatchRun:
             self._commit(row, [token])
             self.drafters[row].reset([*prompt.tolist(), token])
             self.stats[row].prefill_time_s = self._now() - started
+            if planning and self.plan_subnetwork is not None:
+                # The scratch cache still holds this row's prefill: the planner reads it.
+                plan_start = self._now()
+                self.subnetwork = self.plan_subnetwork(prompt, self.scratch, out)
+                self.policy.use_subnetwork(self.subnetwork)
+                self.stats[row].plan_time_s += self._now() - plan_start
         active = list(range(len(prompts)))  # batch rows, in cache order
         lengths = [p.numel() for p in prompts]  # committed tokens with K/V cached
         while True:
@@ -259,35 +297,38 @@ class BatchRun:
         engine = self.engine
         started = self._now()
         proposals: list[Draft] = []
+        rooms: list[int] = []
         for row in active:
             room = min(
                 self.max_draft_length,
                 self.max_new_tokens - len(self.outputs[row]) - 1,
                 engine.max_context - lengths[row] - 1,
             )
-            proposals.append(self.drafters[row].propose(max(0, room)))
+            rooms.append(max(0, room))
+            proposals.append(self.drafters[row].propose(rooms[-1]))
         contexts = [lengths[row] for row in active]
-        gammas = self.policy.draft_lengths(active, proposals, contexts)
-        drafts = [p.tokens[:g] for p, g in zip(proposals, gammas, strict=True)]
+        plan = self.policy.plan_round(active, proposals, contexts, rooms)
         lookup_time = self._now() - started
+        drafts = self._drafts(active, cache, pending, contexts, proposals, plan)
         width = 1 + max(len(d) for d in drafts)
         inputs = torch.zeros(len(active), width, dtype=torch.long)
         for slot, row in enumerate(active):
-            row_inputs = [pending[row], *drafts[slot]]
+            row_inputs = [pending[row], *drafts[slot].tokens]
             inputs[slot, : len(row_inputs)] = torch.tensor(row_inputs)
         verify_start = self._now()
         logits = forward_batch(engine, inputs, contexts, cache)
         check_finite(logits, "batched verification")
         new_lengths = []
         for slot, row in enumerate(active):
-            draft = list(drafts[slot])
-            scores = logits[slot, : len(draft) + 1]
+            draft = drafts[slot]
+            tokens = list(draft.tokens)
+            scores = logits[slot, : len(tokens) + 1]
             if self.params.do_sample:
                 target = processed_probs(scores, self.params)
-                one_hot = Draft(tuple(draft), LOOKUP).draft_probs(target.shape[-1], target.device)
-                verdict = verify_sampling(draft, one_hot, target, self.generators[row])
+                draft_probs = draft.draft_probs(target.shape[-1], target.device)
+                verdict = verify_sampling(tokens, draft_probs, target, self.generators[row])
             else:
-                verdict = verify_greedy(draft, scores)
+                verdict = verify_greedy(tokens, scores)
             # Inputs at positions n .. n + accepted are now this row's: keep their K/V only.
             lengths[row] += verdict.accepted + 1
             new_lengths.append(lengths[row])
@@ -295,10 +336,12 @@ class BatchRun:
             kept = verdict.tokens[:committed]
             self.drafters[row].extend(kept)
             self.policy.observe(row, proposals[slot], kept)
+            if draft.drafter == SUBNETWORK and tokens:
+                self.policy.observe_subnetwork(row, len(tokens), verdict.accepted)
             pending[row] = verdict.tokens[-1]
             self.stats[row].lookup_time_s += lookup_time
             self.stats[row].record_round(
-                len(draft), verdict.accepted, committed, LOOKUP if draft else "none"
+                len(tokens), verdict.accepted, committed, draft.drafter if tokens else "none"
             )
         cache.set_lengths(new_lengths)
         # Not fed to the cost model: a batched pass is not a single sequence's verification
@@ -309,5 +352,82 @@ class BatchRun:
         for row in active:
             self.stats[row].verify_time_s += elapsed
 
+    def _drafts(
+        self,
+        active: list[int],
+        cache: BatchKVCache,
+        pending: list[int],
+        contexts: list[int],
+        proposals: list[Draft],
+        plan: RoundPlan,
+    ) -> list[Draft]:
+        """Each active row's draft under ``plan``: its lookup proposal cut to γ_r, or its
+        first γ_r sub-network tokens."""
+        drafts = [
+            Draft((), LOOKUP) if sub else proposal.truncated(gamma)
+            for proposal, gamma, sub in zip(
+                proposals, plan.draft_lengths, plan.subnetwork_rows, strict=True
+            )
+        ]
+        steps = plan.draft_steps
+        if steps == 0 or self.subnetwork is None:
+            return drafts
+        tokens, probs, seconds = self._run_subnetwork(active, cache, pending, contexts, steps)
+        for slot, (gamma, sub) in enumerate(
+            zip(plan.draft_lengths, plan.subnetwork_rows, strict=True)
+        ):
+            if sub and gamma:
+                row_probs = probs[slot][:gamma] if probs is not None else None
+                drafts[slot] = Draft(
+                    tuple(tokens[slot][:gamma]), SUBNETWORK, probs=row_probs, seconds=seconds
+                )
+        for row in active:
+            self.stats[row].draft_time_s += seconds
+        return drafts
 
-__all__ = ["BatchGenerationResult", "BatchRun", "batch_prompts"]
+    def _run_subnetwork(
+        self,
+        active: list[int],
+        cache: BatchKVCache,
+        pending: list[int],
+        contexts: list[int],
+        steps: int,
+    ) -> tuple[list[list[int]], list[torch.Tensor] | None, float]:
+        """``steps`` batched steps of the sub-network on every active row, from its pending
+        token; per row its draft tokens, their distributions ``(steps, vocab)`` when
+        sampling, and the seconds the steps took.
+
+        Each step writes the executed layers' K/V one position further; the rows' lengths
+        move with the steps and return to the committed ``contexts`` afterwards (the
+        verification overwrites every drafted position)."""
+        assert self.subnetwork is not None
+        engine, mask = self.engine, self.subnetwork.mask
+        started = self._now()
+        current = [pending[row] for row in active]
+        tokens: list[list[int]] = [[] for _ in active]
+        probs: list[list[torch.Tensor]] = [[] for _ in active]
+        mean_context = round(sum(contexts) / len(contexts))
+        try:
+            for step in range(steps):
+                step_start = self._now()
+                starts = [context + step for context in contexts]
+                cache.set_lengths(starts)
+                inputs = torch.tensor(current, dtype=torch.long).unsqueeze(1)
+                logits = forward_batch(engine, inputs, starts, cache, all_logits=False, mask=mask)
+                check_finite(logits, "batched drafting")
+                for slot, row in enumerate(active):
+                    if self.params.do_sample:
+                        q = processed_probs(logits[slot], self.params)
+                        current[slot] = sample_token(q, self.generators[row])
+                        probs[slot].append(q)
+                    else:
+                        current[slot] = int(logits[slot].argmax())
+                    tokens[slot].append(current[slot])
+                self.policy.observe_draft_pass(len(active), mean_context, self._now() - step_start)
+        finally:
+            cache.set_lengths(list(contexts))
+        stacked = [torch.stack(p) for p in probs] if self.params.do_sample else None
+        return tokens, stacked, self._now() - started
+
+
+__all__ = ["BatchGenerationResult", "BatchRun", "SubnetworkPlanner", "batch_prompts"]

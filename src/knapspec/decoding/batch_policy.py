@@ -21,11 +21,20 @@ number for the whole batch, so the decision is made at batch level:
   chooses ``G = 0`` by itself. The cost model prices one sequence; how far a batched pass
   strays from that price is learned from every pass the batch runs
   (:class:`BatchPassCalibration`), so a wide draft that proved dear is priced as it ran.
+  With a layer-skipping sub-network on offer (:class:`BatchSubnetwork`, the mask the
+  decoder's planner chose on the batch's first row), every cap ``G`` is also priced with
+  the sub-network drafting ``G`` tokens in one batched masked pass per token
+  (:func:`batched_draft_cost`, calibrated like verification) for the rows whose expected
+  tokens ``Σ_{i≤G} α_r^i`` (per-row acceptance, a Beta estimate around the planner's
+  prediction) beat their lookup draft's; the other rows keep their lookup tokens.
 * :class:`FixedLookupBatchPolicy` drafts up to ``k`` lookup tokens in every row with a
   match (the fixed-length ablation; the tests use it to force ragged acceptance).
+* :class:`FixedSubnetworkBatchPolicy` drafts ``k`` sub-network tokens in every row (the
+  batched counterpart of the static planner; the tests use it to force layer-skip drafts).
 * :class:`PlainBatchPolicy` never drafts.
 
-Layer-skipping sub-network drafts are not run in batches (see the user guide).
+A round's choice is a :class:`RoundPlan`: each row's γ and whether it drafts with the
+sub-network.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -41,7 +51,10 @@ from knapspec.costmodels.base import CostModel
 from knapspec.drafters.acceptance import LookupAcceptance
 from knapspec.drafters.base import Draft
 from knapspec.planners.objective import chained_expected_tokens
-from knapspec.validators import unit_interval
+from knapspec.types import SublayerMask
+from knapspec.validators import interval, unit_interval
+
+FloatArray = np.ndarray[Any, np.dtype[np.float64]]
 
 
 def batched_verify_cost(cost_model: CostModel, rows: int, tokens: int, context: int) -> float:
@@ -51,6 +64,96 @@ def batched_verify_cost(cost_model: CostModel, rows: int, tokens: int, context: 
     products = cost_model.verify_cost(rows * tokens, 0)
     attention = cost_model.verify_cost(tokens, context) - cost_model.verify_cost(tokens, 0)
     return products + rows * max(attention, 0.0)
+
+
+def batched_draft_cost(cost_model: CostModel, mask: SublayerMask, rows: int, context: int) -> float:
+    """Predicted seconds of one batched draft step of ``mask`` over ``rows`` rows (one
+    token each) at a mean context ``context``: the mask's products, scaled from one row to
+    ``rows`` rows as the cost model's verification scales (few-row products stream each
+    weight once), plus each row's own attention over its cache."""
+    products = cost_model.draft_cost(mask, 0)
+    attention = cost_model.draft_cost(mask, context) - products
+    one_row = cost_model.verify_cost(1, 0)
+    scale = cost_model.verify_cost(rows, 0) / one_row if one_row > 0 else float(rows)
+    return products * scale + rows * max(attention, 0.0)
+
+
+@attrs.frozen
+class BatchSubnetwork:
+    """The layer-skipping draft a batch may use: one mask, shared by the rows that draft
+    with it in a round.
+
+    Attributes:
+        mask: the sub-network (items it runs).
+        prior_acceptance: per-token acceptance expected before any round (the planner's
+            prediction where it made one).
+        prior_tokens: weight of that prior, in drafted tokens.
+        source: who chose the mask (a planner's name), for the stats.
+    """
+
+    mask: SublayerMask
+    prior_acceptance: float = attrs.field(
+        default=0.5, validator=interval(0.0, 1.0, low_open=True, high_open=True)
+    )
+    prior_tokens: float = attrs.field(default=4.0, validator=interval(0.0, math.inf))
+    source: str = ""
+
+
+@attrs.define
+class SubnetworkAcceptance:
+    """One row's per-token acceptance of sub-network drafts: a Beta posterior mean.
+
+    A round that drafted ``k`` tokens and accepted ``a`` of them shows ``a`` acceptances
+    and, when ``a < k``, one rejection (later tokens were never tested), so
+    ``α = (m·α₀ + accepted) / (m + accepted + rejections)`` with the prior ``α₀`` of
+    weight ``m`` tokens.
+    """
+
+    prior_acceptance: float
+    prior_tokens: float
+    accepted: int = 0
+    rejections: int = 0
+
+    @property
+    def rate(self) -> float:
+        """The current estimate of α, in (0, 1)."""
+        weight = self.prior_tokens
+        seen = self.accepted + self.rejections
+        if weight + seen <= 0:
+            return self.prior_acceptance
+        return (weight * self.prior_acceptance + self.accepted) / (weight + seen)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """One verified round of ``drafted`` sub-network tokens."""
+        self.accepted += accepted
+        self.rejections += int(accepted < drafted)
+
+
+@attrs.frozen
+class RoundPlan:
+    """What a batched round drafts, per active row (in the step's order).
+
+    Attributes:
+        draft_lengths: γ_r (0 for a plain step).
+        subnetwork_rows: True where row ``r`` drafts its γ_r tokens with the sub-network
+            (else with its lookup proposal).
+    """
+
+    draft_lengths: tuple[int, ...]
+    subnetwork_rows: tuple[bool, ...]
+
+    @classmethod
+    def lookup(cls, lengths: Sequence[int]) -> RoundPlan:
+        """Every row drafts its lookup proposal's first γ_r tokens."""
+        return cls(tuple(lengths), (False,) * len(lengths))
+
+    @property
+    def draft_steps(self) -> int:
+        """Batched sub-network steps the round runs (the longest sub-network draft)."""
+        return max(
+            (g for g, sub in zip(self.draft_lengths, self.subnetwork_rows, strict=True) if sub),
+            default=0,
+        )
 
 
 @attrs.define
@@ -98,11 +201,38 @@ class BatchPassCalibration:
 
 
 class BatchDraftPolicy(abc.ABC):
-    """Chooses each active row's draft length γ_r for one batched round."""
+    """Chooses each active row's draft length γ_r (and drafter) for one batched round.
+
+    A policy that only drafts lookup tokens implements :meth:`draft_lengths`; one that
+    also drafts with the sub-network overrides :meth:`plan_round`.
+    """
+
+    #: The sub-network on offer in this batch (None: lookup drafts only).
+    subnetwork: BatchSubnetwork | None = None
 
     def reset(self, rows: int) -> None:
         """Start a batch of ``rows`` rows (forget per-row state)."""
         return None
+
+    def use_subnetwork(self, subnetwork: BatchSubnetwork | None) -> None:
+        """Offer ``subnetwork`` to the rounds of this batch (None withdraws it); called
+        after :meth:`reset`."""
+        self.subnetwork = subnetwork
+
+    def plan_round(
+        self,
+        rows: Sequence[int],
+        proposals: Sequence[Draft],
+        context_lengths: Sequence[int],
+        rooms: Sequence[int],
+    ) -> RoundPlan:
+        """This round's plan: by default each row's :meth:`draft_lengths` lookup tokens.
+
+        Args:
+            rows, proposals, context_lengths: as :meth:`draft_lengths`.
+            rooms: per active row, the most tokens it may draft (token limit, context).
+        """
+        return RoundPlan.lookup(self.draft_lengths(rows, proposals, context_lengths))
 
     @abc.abstractmethod
     def draft_lengths(
@@ -123,6 +253,16 @@ class BatchDraftPolicy(abc.ABC):
     def observe_pass(self, rows: int, width: int, context: int, seconds: float) -> None:
         """A batched verification of ``rows`` rows × ``width`` tokens at mean context
         ``context`` took ``seconds``."""
+        return None
+
+    def observe_subnetwork(self, row: int, drafted: int, accepted: int) -> None:
+        """Row ``row`` drafted ``drafted`` sub-network tokens and ``accepted`` of them
+        were accepted."""
+        return None
+
+    def observe_draft_pass(self, rows: int, context: int, seconds: float) -> None:
+        """One batched sub-network step over ``rows`` rows at mean context ``context``
+        took ``seconds``."""
         return None
 
 
@@ -153,16 +293,50 @@ class FixedLookupBatchPolicy(BatchDraftPolicy):
         return [min(self.draft_length, len(proposal)) for proposal in proposals]
 
 
+class FixedSubnetworkBatchPolicy(BatchDraftPolicy):
+    """``draft_length`` sub-network tokens in every row each round (as far as the row's
+    room allows); nothing while no sub-network is on offer.
+
+    Args:
+        draft_length: k >= 1.
+    """
+
+    def __init__(self, draft_length: int = 3) -> None:
+        if draft_length < 1:
+            raise ValueError(f"draft_length must be >= 1, got {draft_length}")
+        self.draft_length = draft_length
+
+    def draft_lengths(
+        self, rows: Sequence[int], proposals: Sequence[Draft], context_lengths: Sequence[int]
+    ) -> list[int]:
+        return [0] * len(proposals)
+
+    def plan_round(
+        self,
+        rows: Sequence[int],
+        proposals: Sequence[Draft],
+        context_lengths: Sequence[int],
+        rooms: Sequence[int],
+    ) -> RoundPlan:
+        if self.subnetwork is None:
+            return RoundPlan.lookup([0] * len(rows))
+        lengths = tuple(min(self.draft_length, room) for room in rooms)
+        return RoundPlan(lengths, tuple(length > 0 for length in lengths))
+
+
 class CostModelBatchPolicy(BatchDraftPolicy):
     """The batch-level TPT search over a common cap ``G`` (module docstring).
 
     Args:
-        cost_model: prices each round (:func:`batched_verify_cost`).
+        cost_model: prices each round (:func:`batched_verify_cost`,
+            :func:`batched_draft_cost`).
         max_draft_length: D, the largest cap.
         margin: the predicted gain over the plain batch step a draft must show (0.05:
             5 %, the knapsack planner's margin).
-        calibration: the learned correction of batched pass costs; pass the same object
-            to the next batch's policy to keep what it learned (the decoder does).
+        calibration: the learned correction of batched verification costs; pass the same
+            object to the next batch's policy to keep what it learned (the decoder does).
+        draft_calibration: the same for batched sub-network steps (keyed by rows).
+        lookup: whether rows may draft their lookup proposals (False: sub-network only).
     """
 
     def __init__(
@@ -171,6 +345,9 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         max_draft_length: int,
         margin: float = 0.05,
         calibration: BatchPassCalibration | None = None,
+        draft_calibration: BatchPassCalibration | None = None,
+        *,
+        lookup: bool = True,
     ) -> None:
         if max_draft_length < 1:
             raise ValueError(f"max_draft_length must be >= 1, got {max_draft_length}")
@@ -179,42 +356,159 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         self.cost_model = cost_model
         self.max_draft_length = max_draft_length
         self.margin = margin
+        self.lookup = lookup
         self.calibration = calibration if calibration is not None else BatchPassCalibration()
+        self.draft_calibration = (
+            draft_calibration if draft_calibration is not None else BatchPassCalibration()
+        )
         self.acceptance: list[LookupAcceptance] = []
-        #: The last round's predicted tokens per second per cap ``G = 0..D`` (diagnostics).
+        self.subnetwork_acceptance: list[SubnetworkAcceptance] = []
+        #: The last round's predicted tokens per second per cap ``G = 0..D``: the best
+        #: option at each cap (diagnostics).
         self.last_tokens_per_second: list[float] = []
 
     def reset(self, rows: int) -> None:
         self.acceptance = [LookupAcceptance() for _ in range(rows)]
+        self.subnetwork_acceptance = []
+        self.subnetwork = None
+
+    def use_subnetwork(self, subnetwork: BatchSubnetwork | None) -> None:
+        self.subnetwork = subnetwork
+        rows = len(self.acceptance)
+        self.subnetwork_acceptance = (
+            [
+                SubnetworkAcceptance(subnetwork.prior_acceptance, subnetwork.prior_tokens)
+                for _ in range(rows)
+            ]
+            if subnetwork is not None
+            else []
+        )
 
     def draft_lengths(
         self, rows: Sequence[int], proposals: Sequence[Draft], context_lengths: Sequence[int]
     ) -> list[int]:
-        count = len(proposals)
-        longest = min(self.max_draft_length, max((len(p) for p in proposals), default=0))
-        if longest == 0:
-            return [0] * count
-        # gains[r][k]: row r's expected committed tokens when it drafts k tokens.
-        gains = []
+        """Lookup tokens only (the search without the sub-network)."""
+        rooms = [len(proposal) for proposal in proposals]
+        plan = self._search(rows, proposals, context_lengths, rooms, subnetwork=False)
+        return list(plan.draft_lengths)
+
+    def plan_round(
+        self,
+        rows: Sequence[int],
+        proposals: Sequence[Draft],
+        context_lengths: Sequence[int],
+        rooms: Sequence[int],
+    ) -> RoundPlan:
+        return self._search(rows, proposals, context_lengths, rooms, subnetwork=True)
+
+    def _lookup_gains(
+        self, rows: Sequence[int], proposals: Sequence[Draft]
+    ) -> tuple[list[FloatArray], list[int]]:
+        """Per row, expected committed tokens by lookup γ (``gain[k]``), and the most
+        lookup tokens it can draft."""
+        gains: list[FloatArray] = []
+        lengths: list[int] = []
         for row, proposal in zip(rows, proposals, strict=True):
-            length = min(len(proposal), longest)
+            length = min(len(proposal), self.max_draft_length) if self.lookup else 0
+            lengths.append(length)
             if length == 0:
                 gains.append(np.ones(1))
                 continue
             estimator = self.acceptance[row]
             rates = estimator.conditional(estimator.bucket(proposal.match_length), length)
             gains.append(chained_expected_tokens(rates))
+        return gains, lengths
+
+    def _search(
+        self,
+        rows: Sequence[int],
+        proposals: Sequence[Draft],
+        context_lengths: Sequence[int],
+        rooms: Sequence[int],
+        *,
+        subnetwork: bool,
+    ) -> RoundPlan:
+        count = len(proposals)
+        nothing = RoundPlan.lookup([0] * count)
+        gains, lookup_lengths = self._lookup_gains(rows, proposals)
+        offer = self.subnetwork if subnetwork else None
+        longest = max(lookup_lengths, default=0)
+        if offer is not None:
+            longest = max(longest, min(self.max_draft_length, max(rooms, default=0)))
+        if longest == 0:
+            self.last_tokens_per_second = []
+            return nothing
         context = round(sum(context_lengths) / count)
-        tpt = []
-        for cap in range(longest + 1):
-            tokens = sum(float(gain[min(cap, gain.size - 1)]) for gain in gains)
-            cost = batched_verify_cost(self.cost_model, count, cap + 1, context)
-            tpt.append(tokens / (cost * self.calibration.factor(count * (cap + 1))))
-        self.last_tokens_per_second = tpt
-        best = int(np.argmax(tpt))
-        if best == 0 or tpt[best] < (1.0 + self.margin) * tpt[0]:
-            return [0] * count
-        return [min(best, len(proposal)) for proposal in proposals]
+        alphas = [self.subnetwork_acceptance[row].rate for row in rows] if offer else []
+        best_tpt, best_plan = count / self._price(count, context, 1, 0, 0), nothing
+        by_cap = [best_tpt]
+        for cap in range(1, longest + 1):
+            lookup_gammas = [min(cap, length) for length in lookup_lengths]
+            lookup_tokens = [float(g[k]) for g, k in zip(gains, lookup_gammas, strict=True)]
+            options: list[tuple[float, RoundPlan]] = []
+            if any(lookup_gammas):
+                width = 1 + max(lookup_gammas)
+                tpt = sum(lookup_tokens) / self._price(count, context, width, 0, 0)
+                options.append((tpt, RoundPlan.lookup(lookup_gammas)))
+            if offer is not None:
+                options.extend(
+                    self._subnetwork_option(
+                        cap, count, context, rooms, alphas, lookup_gammas, lookup_tokens
+                    )
+                )
+            if not options:
+                by_cap.append(0.0)
+                continue
+            tpt, plan = max(options, key=lambda option: option[0])
+            by_cap.append(tpt)
+            if tpt > best_tpt:
+                best_tpt, best_plan = tpt, plan
+        self.last_tokens_per_second = by_cap
+        if best_tpt < (1.0 + self.margin) * by_cap[0]:
+            return nothing
+        return best_plan
+
+    def _subnetwork_option(
+        self,
+        cap: int,
+        count: int,
+        context: int,
+        rooms: Sequence[int],
+        alphas: Sequence[float],
+        lookup_gammas: Sequence[int],
+        lookup_tokens: Sequence[float],
+    ) -> list[tuple[float, RoundPlan]]:
+        """The round with the sub-network drafting up to ``cap`` tokens for the rows it
+        serves better than their lookup draft; empty when it serves none."""
+        sub_gammas = [min(cap, room) for room in rooms]
+        sub_tokens = [
+            float(np.sum(alpha ** np.arange(g + 1)))
+            for alpha, g in zip(alphas, sub_gammas, strict=True)
+        ]
+        uses = [
+            g > 0 and s > t for g, s, t in zip(sub_gammas, sub_tokens, lookup_tokens, strict=True)
+        ]
+        if not any(uses):
+            return []
+        gammas = tuple(
+            sg if use else lg for use, sg, lg in zip(uses, sub_gammas, lookup_gammas, strict=True)
+        )
+        tokens = sum(
+            s if use else t for use, s, t in zip(uses, sub_tokens, lookup_tokens, strict=True)
+        )
+        steps = max(g for g, use in zip(gammas, uses, strict=True) if use)
+        cost = self._price(count, context, 1 + max(gammas), steps, count)
+        return [(tokens / cost, RoundPlan(gammas, tuple(uses)))]
+
+    def _price(self, rows: int, context: int, width: int, steps: int, draft_rows: int) -> float:
+        """Calibrated seconds of a round: ``steps`` batched sub-network steps over
+        ``draft_rows`` rows, then one verification of ``rows × width`` tokens."""
+        cost = batched_verify_cost(self.cost_model, rows, width, context)
+        cost *= self.calibration.factor(rows * width)
+        if steps and self.subnetwork is not None:
+            step = batched_draft_cost(self.cost_model, self.subnetwork.mask, draft_rows, context)
+            cost += steps * step * self.draft_calibration.factor(draft_rows)
+        return cost
 
     def observe(self, row: int, proposal: Draft, committed: Sequence[int]) -> None:
         self.acceptance[row].observe_round(proposal.tokens, proposal.match_length, committed)
@@ -223,12 +517,27 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         predicted = batched_verify_cost(self.cost_model, rows, width, context)
         self.calibration.observe(rows * width, predicted, seconds)
 
+    def observe_subnetwork(self, row: int, drafted: int, accepted: int) -> None:
+        if self.subnetwork_acceptance:
+            self.subnetwork_acceptance[row].observe(drafted, accepted)
+
+    def observe_draft_pass(self, rows: int, context: int, seconds: float) -> None:
+        if self.subnetwork is None:
+            return
+        predicted = batched_draft_cost(self.cost_model, self.subnetwork.mask, rows, context)
+        self.draft_calibration.observe(rows, predicted, seconds)
+
 
 __all__ = [
     "BatchDraftPolicy",
     "BatchPassCalibration",
+    "BatchSubnetwork",
     "CostModelBatchPolicy",
     "FixedLookupBatchPolicy",
+    "FixedSubnetworkBatchPolicy",
     "PlainBatchPolicy",
+    "RoundPlan",
+    "SubnetworkAcceptance",
+    "batched_draft_cost",
     "batched_verify_cost",
 ]

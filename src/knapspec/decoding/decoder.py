@@ -9,8 +9,8 @@ One round of a single sequence (the loop lives in :mod:`knapspec.decoding.run`):
 
 A plan with γ = 0 is a plain autoregressive step. Greedy output equals the target's greedy
 output token for token; sampled output is distributed exactly as the target's. Several
-prompts at once run in :mod:`knapspec.decoding.batch` (lookup drafts per row, ragged
-acceptance); a single prompt never takes that path.
+prompts at once run in :mod:`knapspec.decoding.batch` (lookup or shared sub-network drafts
+per row, ragged acceptance); a single prompt never takes that path.
 """
 
 from __future__ import annotations
@@ -33,25 +33,34 @@ from knapspec.decoding.arguments import (
     sampling_params,
     stop_set,
 )
-from knapspec.decoding.batch import BatchGenerationResult, BatchRun, batch_prompts
+from knapspec.decoding.batch import (
+    BatchGenerationResult,
+    BatchRun,
+    SubnetworkPlanner,
+    batch_prompts,
+)
 from knapspec.decoding.batch_policy import (
     BatchDraftPolicy,
     BatchPassCalibration,
+    BatchSubnetwork,
     CostModelBatchPolicy,
     PlainBatchPolicy,
 )
 from knapspec.decoding.run import GenerationResult, LogitsProcessor, Run
-from knapspec.drafters.base import LOOKUP, Drafter
+from knapspec.drafters.base import LOOKUP, SUBNETWORK, Drafter
 from knapspec.drafters.lookup import LookupDrafter
 from knapspec.drafters.subnetwork import SubnetworkDrafter
 from knapspec.model.engine import ContextLengthError, SublayerEngine
-from knapspec.planners.base import Planner
+from knapspec.planners.base import Planner, PlanningContext
 from knapspec.proxies.base import ValueProxy
 from knapspec.sampling import SamplingParams
 from knapspec.window import WindowBuffer
 
 if TYPE_CHECKING:
     from transformers.generation.streamers import BaseStreamer
+
+    from knapspec.model.cache import KVCache
+    from knapspec.model.engine import ForwardOutput
 
 
 class SpeculativeDecoder:
@@ -131,6 +140,7 @@ class SpeculativeDecoder:
         # What batched passes really cost against this cost model's prices, kept across
         # generate_batch calls (it describes the machine, not the prompts).
         self._batch_calibration = BatchPassCalibration()
+        self._batch_draft_calibration = BatchPassCalibration()
         self._calibrated_cost_model = self.cost_model
         self._subnetwork = SubnetworkDrafter()
         #: The drafters whose proposals the planner reads before planning (its
@@ -278,9 +288,11 @@ class SpeculativeDecoder:
     ) -> BatchGenerationResult:
         """Generate for several prompts at once (:mod:`knapspec.decoding.batch`).
 
-        Each row drafts its own lookup tokens (0 allowed) and keeps exactly its accepted
-        ones; rows that stop leave the batch's compute. Greedy rows equal each prompt
-        decoded alone. Layer-skipping sub-network drafts are not run in a batch.
+        Each row drafts its own lookup tokens or the batch's shared layer-skipping
+        sub-network (0 allowed) and keeps exactly its accepted ones; rows that stop leave
+        the batch's compute. Greedy rows equal each prompt decoded alone. The sub-network
+        is the one the planner chooses on the first row after its prefill; the batch
+        policy prices it against lookup drafts and γ = 0 every round.
 
         Args:
             input_ids: a ``(B, n)`` tensor (left-padded when ``attention_mask`` has zeros)
@@ -290,10 +302,11 @@ class SpeculativeDecoder:
             max_new_tokens, eos_token_id, sampling: as :meth:`generate`, for every row.
             seeds: per row, the seed of its sampling generator (default: ``sampling.seed
                 + row``, or drawn from torch's global RNG when no seed is set).
-            policy: each row's draft length per round (default: the batch-level TPT
-                search :class:`~knapspec.decoding.batch_policy.CostModelBatchPolicy`
-                when the planner uses lookup proposals and a cost model exists, else
-                plain batched decoding).
+            policy: each row's draft length and drafter per round (default: the
+                batch-level TPT search
+                :class:`~knapspec.decoding.batch_policy.CostModelBatchPolicy` when a cost
+                model exists, over lookup drafts if the planner prices them and the
+                planner's sub-network if it chose one; else plain batched decoding).
 
         Raises:
             ValueError: naming the row: mask shape, right padding, an empty row, ids out
@@ -314,14 +327,18 @@ class SpeculativeDecoder:
         generators = row_generators(params, len(prompts), seeds, self.engine.device)
         if self._calibrated_cost_model is not self.cost_model:  # a new cost model: new prices
             self._batch_calibration = BatchPassCalibration()
+            self._batch_draft_calibration = BatchPassCalibration()
             self._calibrated_cost_model = self.cost_model
         if policy is None:
-            uses_lookup = LOOKUP in self.planner.proposal_drafters()
             policy = (
                 CostModelBatchPolicy(
-                    self.cost_model, self.max_draft_length, calibration=self._batch_calibration
+                    self.cost_model,
+                    self.max_draft_length,
+                    calibration=self._batch_calibration,
+                    draft_calibration=self._batch_draft_calibration,
+                    lookup=LOOKUP in self.planner.proposal_drafters(),
                 )
-                if uses_lookup and self.cost_model is not None
+                if self.cost_model is not None
                 else PlainBatchPolicy()
             )
         lookup = next((d for d in self.drafters if isinstance(d, LookupDrafter)), None)
@@ -337,8 +354,52 @@ class SpeculativeDecoder:
                 max_draft_length=self.max_draft_length,
                 lookup=lookup,
                 generators=generators,
+                plan_subnetwork=self._batch_subnetwork_planner(params, limit),
+                capture_points=self.planner.uses_window,
             )
             return run.execute()
+
+    def _batch_subnetwork_planner(
+        self, params: SamplingParams, max_new_tokens: int
+    ) -> SubnetworkPlanner:
+        """What a batch asks the planner after its first row's prefill: the sub-network
+        it would draft that row with (None when it plans γ = 0 or another drafter). The
+        planner's single-sequence state is reset first, as every ``generate`` does."""
+
+        def plan(
+            prompt: torch.Tensor, cache: KVCache, out: ForwardOutput
+        ) -> BatchSubnetwork | None:
+            planner, window = self.planner, self._window
+            window.clear()
+            planner.reset()
+            n = prompt.numel()
+            if out.points is not None:
+                seed = out.points.shape[1]  # the prefill kept the last ``seed`` tokens
+                target = self.engine.logits(out.hidden[-seed:]).argmax(-1)
+                window.push(out.points, prompt[-seed:].to(self.engine.device), target, n - seed)
+            decision = planner.plan(
+                PlanningContext(
+                    engine=self.engine,
+                    cache=cache,
+                    context_length=n,
+                    window=window if planner.uses_window else None,
+                    cost_model=self.cost_model,
+                    proxy=self.proxy,
+                    max_draft_length=self.max_draft_length,
+                    sampling=params,
+                    round_index=0,
+                    remaining_tokens=max_new_tokens,
+                    tokens=prompt,
+                    proposals=(),
+                )
+            )
+            if decision.drafter != SUBNETWORK or decision.draft_length == 0:
+                return None
+            prior = decision.predicted_acceptance
+            prior = 0.5 if prior is None else min(max(prior, 0.01), 0.99)
+            return BatchSubnetwork(decision.mask, prior, source=decision.source)
+
+        return plan
 
     def _generate(
         self,

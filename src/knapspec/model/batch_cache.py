@@ -2,10 +2,11 @@
 
 Every layer owns one ``(rows, kv_heads, capacity, head_dim)`` buffer for keys and one for
 values; token ``p`` of row ``r`` lives at index ``[r, :, p]`` (no padding inside a row, so
-a row's positions are its own). Each row has one valid length shared by all layers: the
-batched path runs every layer on every step (no layer-skipping drafts), so layers never
-differ. Cropping a row after verification is a length move; a row that finished leaves the
-batch through :meth:`BatchKVCache.keep`, which packs the remaining rows to the front so that
+a row's positions are its own). Each row has one valid length shared by all layers: a
+layer-skipping draft step writes only past the committed length, and the full-model
+verification after it rewrites every layer there, so after each round the layers agree.
+Cropping a row after verification is a length move; a row that finished leaves the batch
+through :meth:`BatchKVCache.keep`, which packs the remaining rows to the front so that
 attention reads a view of the first rows, never a gathered copy.
 """
 

@@ -7,6 +7,12 @@ linear product runs once over all ``rows × q`` tokens, through the engine's ker
 (a batched decode step is a few-row product like a verify step), and attention runs per
 row against that row's own cache with a mask ``key <= start_r + t``.
 
+Under a :class:`~knapspec.types.SublayerMask` (a layer-skipping draft step shared by the
+batch's rows) only the executed items run; a skipped attention item writes no K/V. The
+draft's K/V lie past each row's committed length, where the full-model verification that
+follows overwrites every layer (it covers every drafted position), so a row's committed
+tokens are never touched by a draft.
+
 The engine's own :meth:`~knapspec.model.engine.SublayerEngine.forward` stays the
 single-sequence path, unchanged: a batch of one is not routed through here.
 """
@@ -22,6 +28,7 @@ from knapspec.model.batch_cache import BatchKVCache
 
 if TYPE_CHECKING:
     from knapspec.model.engine import SublayerEngine
+    from knapspec.types import SublayerMask
 
 
 def new_batch_cache(engine: SublayerEngine, rows: int, capacity: int) -> BatchKVCache:
@@ -55,8 +62,10 @@ def forward_batch(
     cache: BatchKVCache,
     *,
     all_logits: bool = True,
+    mask: SublayerMask | None = None,
 ) -> torch.Tensor:
-    """Run the full model over ``q`` new tokens per row, writing every layer's K/V.
+    """Run the model (the items of ``mask``; all when None) over ``q`` new tokens per row,
+    writing the K/V of every executed attention item.
 
     Args:
         token_ids: ``(rows, q)`` new tokens, right-padded per row.
@@ -64,12 +73,16 @@ def forward_batch(
             the positions before it (its cache length).
         cache: the batch's cache (its active rows are the ``rows`` rows, in order).
         all_logits: logits for every position, or only for the last column.
+        mask: the sub-network to run (a draft step); None runs the full model.
 
     Returns:
         ``(rows, q, vocab)`` float32 logits, or ``(rows, vocab)`` for the last column.
         The caller sets each row's new length (:meth:`BatchKVCache.set_lengths`).
     """
     rows, q_len = token_ids.shape
+    if mask is not None and mask.num_items != engine.num_items:
+        raise ValueError(f"mask has {mask.num_items} items, the model {engine.num_items}")
+    executed = mask.executed if mask is not None else (True,) * engine.num_items
     if rows != cache.rows or len(starts) != rows:
         raise ValueError(
             f"token_ids has {rows} rows, starts {len(starts)}, the cache {cache.rows} active rows"
@@ -89,28 +102,30 @@ def forward_batch(
     cos, sin = engine.rotary_emb(hidden, positions)
     index = cache.write_index(start_tensor, q_len)
     end = max(starts) + q_len
-    mask = ragged_mask(start_tensor, q_len, end, engine.kv_groups)
+    visible = ragged_mask(start_tensor, q_len, end, engine.kv_groups)
     heads, kv_heads, head_dim = engine.num_heads, engine.kv_heads, engine.head_dim
     for layer_index, layer in enumerate(engine.layers):
-        normed = layer.input_layernorm(hidden)
-        query, key, value = engine._project_qkv(layer_index, normed, cos, sin)
-        cache.write(layer_index, index, key, value)
-        # Query heads sharing a K/V head are packed along the query axis (no repeat_kv).
-        packed = query.reshape(rows, kv_heads, engine.kv_groups * q_len, head_dim)
-        out = F.scaled_dot_product_attention(
-            packed,
-            cache.keys(layer_index, end),
-            cache.values(layer_index, end),
-            attn_mask=mask,
-            scale=engine._scaling,
-        )
-        attended = (
-            out.reshape(rows, heads, q_len, head_dim)
-            .transpose(1, 2)
-            .reshape(rows, q_len, heads * head_dim)
-        )
-        hidden = hidden + engine._project(layer.self_attn.o_proj, attended)
-        hidden = engine._mlp_item(layer_index, hidden)
+        if executed[2 * layer_index]:
+            normed = layer.input_layernorm(hidden)
+            query, key, value = engine._project_qkv(layer_index, normed, cos, sin)
+            cache.write(layer_index, index, key, value)
+            # Query heads sharing a K/V head are packed along the query axis (no repeat_kv).
+            packed = query.reshape(rows, kv_heads, engine.kv_groups * q_len, head_dim)
+            out = F.scaled_dot_product_attention(
+                packed,
+                cache.keys(layer_index, end),
+                cache.values(layer_index, end),
+                attn_mask=visible,
+                scale=engine._scaling,
+            )
+            attended = (
+                out.reshape(rows, heads, q_len, head_dim)
+                .transpose(1, 2)
+                .reshape(rows, q_len, heads * head_dim)
+            )
+            hidden = hidden + engine._project(layer.self_attn.o_proj, attended)
+        if executed[2 * layer_index + 1]:
+            hidden = engine._mlp_item(layer_index, hidden)
     if all_logits:
         return engine.logits(hidden)
     return engine.logits(hidden[:, -1])
