@@ -305,8 +305,10 @@ def test_the_cost_model_policy_drafts_a_small_batch_and_not_a_large_one() -> Non
     assert policy.draft_lengths([0], [_proposal()], [100]) == [3]  # 4 tokens cost one step
     eight = list(range(8))
     assert policy.draft_lengths(eight, [_proposal()] * 8, [100] * 8) == [0] * 8
-    # Rows without a proposal draft nothing; the others still do in a small batch.
-    assert policy.draft_lengths([0, 1], [_proposal(), Draft((), LOOKUP)], [50, 60]) == [1, 0]
+    # Rows without a proposal draft nothing; the others still do in a small batch, and
+    # since the products are packed, the idle row's one token leaves room for row 0 to
+    # draft 2 (3 + 1 tokens cost one step; padded, 3 + 3 would not).
+    assert policy.draft_lengths([0, 1], [_proposal(), Draft((), LOOKUP)], [50, 60]) == [2, 0]
 
 
 def test_pass_calibration_averages_each_size_and_borrows_the_nearest() -> None:
@@ -358,3 +360,52 @@ def test_the_default_policy_speculates_only_with_lookup_and_a_cost_model() -> No
     result = decoder.generate(prompts, max_new_tokens=12)
     _assert_rows_equal_alone("llama", prompts, result, 12)
     assert sum(stats.accepted_tokens for stats in result.stats) > 0
+
+
+# ------------------------------------------------------------------ packed products
+@given(widths=st.lists(st.integers(1, 5), min_size=1, max_size=4), seed=st.integers(0, 99))
+def test_packed_products_give_the_padded_pass_at_every_real_token(
+    widths: list[int], seed: int
+) -> None:
+    """A ragged pass with ``widths`` (products over the real tokens only) gives the same
+    logits at every real position, and the same K/V at every real position, as the
+    padded pass over ``rows × max(widths)`` tokens."""
+    from knapspec.model.batched import forward_batch, new_batch_cache
+
+    engine = _decoder().engine
+    generator = torch.Generator().manual_seed(seed)
+    rows, width = len(widths), max(widths)
+    contexts = [int(torch.randint(1, 20, (1,), generator=generator)) for _ in widths]
+    caches = []
+    for _ in range(2):
+        cache = new_batch_cache(engine, rows, 32)
+        for row, context in enumerate(contexts):
+            single = engine.new_cache(32)
+            prompt = torch.randint(0, 97, (context,), generator=torch.Generator().manual_seed(row))
+            engine.forward(prompt, 0, single, all_logits=False)
+            cache.load_row(row, single, context)
+        caches.append(cache)
+    inputs = torch.randint(0, 97, (rows, width), generator=generator)
+    padded = forward_batch(engine, inputs, contexts, caches[0])
+    packed = forward_batch(engine, inputs, contexts, caches[1], widths=widths)
+    for cache in caches:
+        cache.set_lengths(list(contexts))  # the pass left the lengths to the caller
+    last = forward_batch(engine, inputs, contexts, caches[1], widths=widths, all_logits=False)
+    for row, real in enumerate(widths):  # each row's last *real* token
+        torch.testing.assert_close(last[row], padded[row, real - 1], atol=1e-4, rtol=1e-4)
+    for row, real in enumerate(widths):
+        torch.testing.assert_close(packed[row, :real], padded[row, :real], atol=1e-4, rtol=1e-4)
+        end = contexts[row] + real
+        for layer in range(engine.num_layers):
+            torch.testing.assert_close(
+                caches[1].keys(layer, end)[row],
+                caches[0].keys(layer, end)[row],
+                atol=1e-5,
+                rtol=1e-4,
+            )
+            torch.testing.assert_close(
+                caches[1].values(layer, end)[row],
+                caches[0].values(layer, end)[row],
+                atol=1e-5,
+                rtol=1e-4,
+            )

@@ -272,3 +272,34 @@ def test_the_default_policy_drafts_the_planners_subnetwork_when_it_pays() -> Non
     result = decoder.generate(prompts, max_new_tokens=12)
     _assert_rows_equal_alone("llama", prompts, result, 12)
     assert _subnetwork_rounds(result.stats) > 0
+
+
+class _LastRowFirst(FixedSubnetworkBatchPolicy):
+    """Round 1: only the last row drafts (it runs ahead); then only the first row."""
+
+    def reset(self, rows: int) -> None:
+        self.rounds = 0
+
+    def plan_round(self, rows, proposals, context_lengths, rooms):  # type: ignore[no-untyped-def]
+        self.rounds += 1
+        plan = super().plan_round(rows, proposals, context_lengths, rooms)
+        keep = len(rows) - 1 if self.rounds == 1 else 0
+        lengths = tuple(g if slot == keep else 0 for slot, g in enumerate(plan.draft_lengths))
+        return RoundPlan(lengths, tuple(g > 0 for g in lengths))
+
+
+def test_a_row_at_the_context_limit_caps_the_shared_draft_steps() -> None:
+    """The batch's sub-network steps run on every row, so a row that ran ahead to the
+    model's context limit caps them for all: the first row's draft is cut, nothing
+    steps past the context, and every row stays lossless."""
+    decoder = _static_decoder(())  # the full model as its own draft: always accepted
+    limit = decoder.engine.max_context
+    new = 8
+    prompts = [REPEATING[:9], [5, 6] * ((limit - new) // 2)]
+    assert len(prompts[1]) + new == limit
+    result = decoder.generate_batch(prompts, max_new_tokens=new, policy=_LastRowFirst(4))
+    _assert_rows_equal_alone("llama", prompts, result, new)
+    # Round 2: row 0 has room for 4 but row 1 sits 2 positions short of the limit, so 2
+    # steps; round 3: room 2, row 1 one position short, so 1 step.
+    assert result.stats[0].drafters[SUBNETWORK].drafted == 3
+    assert result.stats[0].drafted_at_position == [2, 1]

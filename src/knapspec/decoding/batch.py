@@ -6,7 +6,8 @@ One round over the active rows::
     plan      = policy.plan_round(...)                     # batch-level TPT: γ_r, drafter_r
     drafts    = lookup rows: their proposal's first γ_r tokens;
                 sub-network rows: G = max γ_r batched steps of the shared mask
-    logits    = full model on [pending_r, drafts_r] per row, padded to 1 + max γ_r
+    logits    = full model on [pending_r, drafts_r] per row (products packed over the
+                Σ (1 + γ_r) real tokens, attention padded to 1 + max γ_r)
     each row keeps its accepted prefix + one target token; its cache length moves to
     exactly its committed tokens (a row that accepts 0 and one that accepts all coexist)
 
@@ -36,6 +37,7 @@ import attrs
 import torch
 
 from knapspec.decoding.batch_policy import BatchDraftPolicy, BatchSubnetwork, RoundPlan
+from knapspec.decoding.run import PREFILL_WINDOW_TOKENS
 from knapspec.decoding.stats import GenerationStats
 from knapspec.decoding.verify import check_finite, verify_greedy, verify_sampling
 from knapspec.drafters.base import LOOKUP, SUBNETWORK, Draft
@@ -248,7 +250,7 @@ class BatchRun:
                 self.scratch,
                 all_logits=False,
                 capture_points=capture,
-                capture_last=min(8, prompt.numel()) if capture else None,
+                capture_last=min(PREFILL_WINDOW_TOKENS, prompt.numel()) if capture else None,
             )
             check_finite(out.logits, f"prefill of row {row}")
             cache.load_row(row, self.scratch, prompt.numel())
@@ -315,8 +317,9 @@ class BatchRun:
         for slot, row in enumerate(active):
             row_inputs = [pending[row], *drafts[slot].tokens]
             inputs[slot, : len(row_inputs)] = torch.tensor(row_inputs)
+        widths = [1 + len(d) for d in drafts]
         verify_start = self._now()
-        logits = forward_batch(engine, inputs, contexts, cache)
+        logits = forward_batch(engine, inputs, contexts, cache, widths=widths)
         check_finite(logits, "batched verification")
         new_lengths = []
         for slot, row in enumerate(active):
@@ -348,7 +351,8 @@ class BatchRun:
         # of that width (every row reads its own cache), and would skew its estimates; the
         # policy learns the batched passes' own correction instead.
         elapsed = self._now() - verify_start
-        self.policy.observe_pass(len(active), width, round(sum(contexts) / len(contexts)), elapsed)
+        mean_context = round(sum(contexts) / len(contexts))
+        self.policy.observe_pass(len(active), width, mean_context, elapsed, widths=widths)
         for row in active:
             self.stats[row].verify_time_s += elapsed
 
@@ -369,13 +373,16 @@ class BatchRun:
                 proposals, plan.draft_lengths, plan.subnetwork_rows, strict=True
             )
         ]
-        steps = plan.draft_steps
-        if steps == 0 or self.subnetwork is None:
+        # Every active row takes the steps: none may step past the model's context.
+        headroom = min(self.engine.max_context - context - 1 for context in contexts)
+        steps = min(plan.draft_steps, headroom)
+        if steps <= 0 or self.subnetwork is None:
             return drafts
         tokens, probs, seconds = self._run_subnetwork(active, cache, pending, contexts, steps)
         for slot, (gamma, sub) in enumerate(
             zip(plan.draft_lengths, plan.subnetwork_rows, strict=True)
         ):
+            gamma = min(gamma, steps)
             if sub and gamma:
                 row_probs = probs[slot][:gamma] if probs is not None else None
                 drafts[slot] = Draft(

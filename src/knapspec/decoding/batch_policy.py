@@ -1,19 +1,19 @@
-"""How many lookup tokens each row of a batch drafts this round.
+"""How many tokens each row of a batch drafts this round, and with which drafter.
 
-A batched round verifies every active row in one full-model pass over ``rows × q``
-tokens, ``q = 1 + max_r γ_r`` (rows are padded to the longest draft). Its cost is one
-number for the whole batch, so the decision is made at batch level:
+A batched round verifies every active row in one full-model pass: row ``r`` feeds
+``1 + γ_r`` tokens; the linear products run over the ``Σ_r (1 + γ_r)`` real tokens packed
+together, attention over the rows padded to ``q = 1 + max_r γ_r``. Its cost is one number
+for the whole batch, so the decision is made at batch level:
 
 * :class:`CostModelBatchPolicy` (the default whenever the decoder has a cost model) tries
-  every cap ``G ∈ {0..D}``: row ``r`` drafts ``γ_r = min(G, len(proposal_r))`` (a row
-  drafting fewer than the longest costs nothing more, its slots are computed anyway) and
+  every cap ``G ∈ {0..D}``: row ``r`` drafts ``γ_r = min(G, len(proposal_r))`` and
   commits ``E_r(γ_r)`` tokens in expectation, from its own online per-bucket acceptance
   (:class:`~knapspec.drafters.acceptance.LookupAcceptance`, learned in hindsight from
   every round, drafted or not). The round's cost comes from the cost model's verify
   costs, split into the part that does not grow with the context and the part that does
-  (:func:`batched_verify_cost`): the linear products see all ``rows · (G + 1)`` tokens at
-  once, ``verify_cost(rows · (G + 1), 0)``, and every row attends over its own cache,
-  ``rows · (verify_cost(G + 1, n̄) - verify_cost(G + 1, 0))`` at the rows' mean context
+  (:func:`packed_verify_cost`): the linear products see all ``T = Σ_r (1 + γ_r)`` tokens
+  at once, ``verify_cost(T, 0)``, and every row attends over its own cache,
+  ``rows · (verify_cost(q, n̄) - verify_cost(q, 0))`` at the rows' mean context
   ``n̄``. It picks the ``G`` of the highest tokens per second ``Σ_r E_r(γ_r) / cost(G)``,
   and drafts only when that beats the plain batch step (``G = 0``) by ``margin``. The
   wider the batch, the more a draft token costs relative to what one row gains (the
@@ -61,9 +61,17 @@ def batched_verify_cost(cost_model: CostModel, rows: int, tokens: int, context: 
     """Predicted seconds of one verify pass over ``rows`` rows of ``tokens`` tokens each at
     a mean context ``context``: the products over all ``rows · tokens`` tokens plus each
     row's own attention (the context-dependent part of a ``tokens``-wide verification)."""
-    products = cost_model.verify_cost(rows * tokens, 0)
-    attention = cost_model.verify_cost(tokens, context) - cost_model.verify_cost(tokens, 0)
-    return products + rows * max(attention, 0.0)
+    return packed_verify_cost(cost_model, [tokens] * rows, context)
+
+
+def packed_verify_cost(cost_model: CostModel, widths: Sequence[int], context: int) -> float:
+    """Predicted seconds of one verify pass whose row ``r`` feeds ``widths[r]`` tokens, at
+    a mean context ``context``: the products over the ``Σ widths`` real tokens (the batch
+    packs them) plus every row's attention at the padded width ``max(widths)``."""
+    width = max(widths)
+    products = cost_model.verify_cost(sum(widths), 0)
+    attention = cost_model.verify_cost(width, context) - cost_model.verify_cost(width, 0)
+    return products + len(widths) * max(attention, 0.0)
 
 
 def batched_draft_cost(cost_model: CostModel, mask: SublayerMask, rows: int, context: int) -> float:
@@ -164,7 +172,7 @@ class BatchPassCalibration:
     each row attending over its own cache) runs other kernel shapes. On a 2-core AMD EPYC
     the prediction was up to 1.5x low for 8 rows × 5 tokens at 2k context and right for
     8 rows × 1 token, so uncorrected the policy drafted where drafting lost. Each pass's
-    ratio enters an exponential average keyed by the pass's total tokens ``rows · width``;
+    ratio enters an exponential average keyed by the pass's total real tokens ``Σ widths``;
     a size not seen yet borrows the ratio of the nearest size seen (in log scale), and
     before any pass the ratio is 1 (the cost model as it is). A draft the cost model makes
     look cheap is thus tried, then priced by what it really cost.
@@ -250,8 +258,16 @@ class BatchDraftPolicy(abc.ABC):
         """Row ``row``'s round is done: its proposal and the tokens it committed."""
         return None
 
-    def observe_pass(self, rows: int, width: int, context: int, seconds: float) -> None:
-        """A batched verification of ``rows`` rows × ``width`` tokens at mean context
+    def observe_pass(
+        self,
+        rows: int,
+        width: int,
+        context: int,
+        seconds: float,
+        widths: Sequence[int] | None = None,
+    ) -> None:
+        """A batched verification of ``rows`` rows padded to ``width`` tokens (row ``r``
+        feeding ``widths[r]`` real tokens; all ``width`` when None) at mean context
         ``context`` took ``seconds``."""
         return None
 
@@ -440,15 +456,14 @@ class CostModelBatchPolicy(BatchDraftPolicy):
             return nothing
         context = round(sum(context_lengths) / count)
         alphas = [self.subnetwork_acceptance[row].rate for row in rows] if offer else []
-        best_tpt, best_plan = count / self._price(count, context, 1, 0, 0), nothing
+        best_tpt, best_plan = count / self._price([0] * count, context, 0), nothing
         by_cap = [best_tpt]
         for cap in range(1, longest + 1):
             lookup_gammas = [min(cap, length) for length in lookup_lengths]
             lookup_tokens = [float(g[k]) for g, k in zip(gains, lookup_gammas, strict=True)]
             options: list[tuple[float, RoundPlan]] = []
             if any(lookup_gammas):
-                width = 1 + max(lookup_gammas)
-                tpt = sum(lookup_tokens) / self._price(count, context, width, 0, 0)
+                tpt = sum(lookup_tokens) / self._price(lookup_gammas, context, 0)
                 options.append((tpt, RoundPlan.lookup(lookup_gammas)))
             if offer is not None:
                 options.extend(
@@ -497,25 +512,35 @@ class CostModelBatchPolicy(BatchDraftPolicy):
             s if use else t for use, s, t in zip(uses, sub_tokens, lookup_tokens, strict=True)
         )
         steps = max(g for g, use in zip(gammas, uses, strict=True) if use)
-        cost = self._price(count, context, 1 + max(gammas), steps, count)
+        cost = self._price(gammas, context, steps)
         return [(tokens / cost, RoundPlan(gammas, tuple(uses)))]
 
-    def _price(self, rows: int, context: int, width: int, steps: int, draft_rows: int) -> float:
-        """Calibrated seconds of a round: ``steps`` batched sub-network steps over
-        ``draft_rows`` rows, then one verification of ``rows × width`` tokens."""
-        cost = batched_verify_cost(self.cost_model, rows, width, context)
-        cost *= self.calibration.factor(rows * width)
+    def _price(self, gammas: Sequence[int], context: int, steps: int) -> float:
+        """Calibrated seconds of a round whose rows draft ``gammas``: ``steps`` batched
+        sub-network steps over every row, then one packed verification."""
+        widths = [1 + gamma for gamma in gammas]
+        cost = packed_verify_cost(self.cost_model, widths, context)
+        cost *= self.calibration.factor(sum(widths))
         if steps and self.subnetwork is not None:
-            step = batched_draft_cost(self.cost_model, self.subnetwork.mask, draft_rows, context)
-            cost += steps * step * self.draft_calibration.factor(draft_rows)
+            rows = len(gammas)
+            step = batched_draft_cost(self.cost_model, self.subnetwork.mask, rows, context)
+            cost += steps * step * self.draft_calibration.factor(rows)
         return cost
 
     def observe(self, row: int, proposal: Draft, committed: Sequence[int]) -> None:
         self.acceptance[row].observe_round(proposal.tokens, proposal.match_length, committed)
 
-    def observe_pass(self, rows: int, width: int, context: int, seconds: float) -> None:
-        predicted = batched_verify_cost(self.cost_model, rows, width, context)
-        self.calibration.observe(rows * width, predicted, seconds)
+    def observe_pass(
+        self,
+        rows: int,
+        width: int,
+        context: int,
+        seconds: float,
+        widths: Sequence[int] | None = None,
+    ) -> None:
+        row_widths = list(widths) if widths is not None else [width] * rows
+        predicted = packed_verify_cost(self.cost_model, row_widths, context)
+        self.calibration.observe(sum(row_widths), predicted, seconds)
 
     def observe_subnetwork(self, row: int, drafted: int, accepted: int) -> None:
         if self.subnetwork_acceptance:
@@ -540,4 +565,5 @@ __all__ = [
     "SubnetworkAcceptance",
     "batched_draft_cost",
     "batched_verify_cost",
+    "packed_verify_cost",
 ]

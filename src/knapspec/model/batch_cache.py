@@ -82,21 +82,26 @@ class BatchKVCache:
         """Store K/V of ``q`` new tokens per active row.
 
         Args:
-            index: ``(rows, q)`` row and position indices (from :meth:`write_index`).
-            keys, values: ``(rows, kv_heads, q, head_dim)``.
+            index: ``(rows, q)`` row and position indices (from :meth:`write_index`), or
+                ``(1, T)`` indices of ``T`` packed tokens.
+            keys, values: ``(rows, kv_heads, q, head_dim)``, or ``(1, kv_heads, T,
+                head_dim)`` packed.
         """
         rows, positions = index
         self._keys[layer][rows, :, positions] = keys.transpose(1, 2)
         self._values[layer][rows, :, positions] = values.transpose(1, 2)
 
+    def check_room(self, positions: int) -> None:
+        """Raise ValueError unless a row can hold ``positions`` positions."""
+        if positions > self.capacity:
+            raise ValueError(
+                f"{positions} positions exceed the batch cache's capacity {self.capacity}"
+            )
+
     def write_index(self, starts: torch.Tensor, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows, q)`` row and position indices of ``q`` tokens per row from ``starts``."""
         rows = self.rows
-        if int(starts.max()) + q_len > self.capacity:
-            raise ValueError(
-                f"{int(starts.max()) + q_len} positions exceed the batch cache's capacity "
-                f"{self.capacity}"
-            )
+        self.check_room(int(starts.max()) + q_len)
         row_index = torch.arange(rows, device=self.device).unsqueeze(1).expand(rows, q_len)
         positions = starts.unsqueeze(1) + torch.arange(q_len, device=self.device)
         return row_index, positions

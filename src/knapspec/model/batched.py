@@ -1,11 +1,15 @@
 """One full-model step over a batch of rows, each at its own position (ragged).
 
 Row ``r`` feeds ``q_r`` new tokens at positions ``starts[r] ..``; the rows are padded on
-the right to ``q = max(q_r)`` (a padded token is any valid id; its output is ignored and
-the K/V it writes lies beyond the row's length, overwritten by the row's next step). Every
-linear product runs once over all ``rows × q`` tokens, through the engine's kernel table
-(a batched decode step is a few-row product like a verify step), and attention runs per
-row against that row's own cache with a mask ``key <= start_r + t``.
+the right to ``q = max(q_r)``. Attention runs per row against that row's own cache with a
+mask ``key <= start_r + t``, on the padded ``(rows, q)`` layout. The linear products
+(projections, MLPs, LM head) run once over the batch through the engine's kernel table
+(a batched decode step is a few-row product like a verify step): over all ``rows × q``
+tokens when the rows are equally long (a padded token is any valid id; its output is
+ignored and the K/V it writes lies beyond the row's length, overwritten by the row's next
+step), and over the ``Σ q_r`` real tokens only, *packed*, when the caller gives each row's
+width: a round where one row drafts 5 tokens and three draft none computes the products
+of 9 tokens, not 24. Packed, only the real tokens' K/V are written.
 
 Under a :class:`~knapspec.types.SublayerMask` (a layer-skipping draft step shared by the
 batch's rows) only the executed items run; a skipped attention item writes no K/V. The
@@ -19,6 +23,7 @@ single-sequence path, unchanged: a batch of one is not routed through here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -63,6 +68,7 @@ def forward_batch(
     *,
     all_logits: bool = True,
     mask: SublayerMask | None = None,
+    widths: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Run the model (the items of ``mask``; all when None) over ``q`` new tokens per row,
     writing the K/V of every executed attention item.
@@ -74,10 +80,13 @@ def forward_batch(
         cache: the batch's cache (its active rows are the ``rows`` rows, in order).
         all_logits: logits for every position, or only for the last column.
         mask: the sub-network to run (a draft step); None runs the full model.
+        widths: per row, its real tokens ``q_r`` in ``[1, q]`` (the rest is padding);
+            ragged widths run the products packed. None: every row has ``q``.
 
     Returns:
-        ``(rows, q, vocab)`` float32 logits, or ``(rows, vocab)`` for the last column.
-        The caller sets each row's new length (:meth:`BatchKVCache.set_lengths`).
+        ``(rows, q, vocab)`` float32 logits (zeros at padded positions when packed), or
+        ``(rows, vocab)`` for each row's last real token. The caller sets each row's new
+        length (:meth:`BatchKVCache.set_lengths`).
     """
     rows, q_len = token_ids.shape
     if mask is not None and mask.num_items != engine.num_items:
@@ -95,6 +104,13 @@ def forward_batch(
             )
     # Padding may run past a row's real tokens; the real ones are checked by the caller.
     engine.check_context(max(starts) + 1)
+    if widths is not None:
+        if len(widths) != rows or any(not 1 <= w <= q_len for w in widths):
+            raise ValueError(f"widths {list(widths)} must give each of {rows} rows 1..{q_len}")
+        if any(w != q_len for w in widths):
+            return _forward_packed(
+                engine, token_ids, starts, cache, executed, list(widths), all_logits
+            )
     device = engine.device
     start_tensor = torch.tensor(starts, device=device)
     hidden = engine.embed_tokens(token_ids.to(device))  # (rows, q, d)
@@ -129,6 +145,59 @@ def forward_batch(
     if all_logits:
         return engine.logits(hidden)
     return engine.logits(hidden[:, -1])
+
+
+def _forward_packed(
+    engine: SublayerEngine,
+    token_ids: torch.Tensor,
+    starts: list[int],
+    cache: BatchKVCache,
+    executed: tuple[bool, ...],
+    widths: list[int],
+    all_logits: bool,
+) -> torch.Tensor:
+    """:func:`forward_batch` with the residual stream packed as ``(1, T, d)``, ``T = Σ q_r``:
+    every product sees the real tokens only; queries are scattered into the padded
+    ``(rows, H, q, hd)`` layout for attention and its output gathered back."""
+    rows, q_len = token_ids.shape
+    device = engine.device
+    row_of = torch.repeat_interleave(torch.arange(rows), torch.tensor(widths)).to(device)
+    step_of = torch.cat([torch.arange(w) for w in widths]).to(device)  # (T,)
+    start_tensor = torch.tensor(starts, device=device)
+    positions = start_tensor[row_of] + step_of  # (T,)
+    hidden = engine.embed_tokens(token_ids.to(device)[row_of, step_of]).unsqueeze(0)
+    cos, sin = engine.rotary_emb(hidden, positions.unsqueeze(0))
+    cache.check_room(int(positions.max()) + 1)
+    write_index = (row_of.unsqueeze(0), positions.unsqueeze(0))  # (1, T) each
+    end = max(starts) + q_len
+    visible = ragged_mask(start_tensor, q_len, end, engine.kv_groups)
+    heads, kv_heads, head_dim = engine.num_heads, engine.kv_heads, engine.head_dim
+    for layer_index, layer in enumerate(engine.layers):
+        if executed[2 * layer_index]:
+            normed = layer.input_layernorm(hidden)
+            query, key, value = engine._project_qkv(layer_index, normed, cos, sin)
+            cache.write(layer_index, write_index, key, value)
+            padded = query.new_zeros(rows, heads, q_len, head_dim)
+            padded[row_of, :, step_of] = query[0].transpose(0, 1)  # (T, H, hd) scattered
+            out = F.scaled_dot_product_attention(
+                padded.reshape(rows, kv_heads, engine.kv_groups * q_len, head_dim),
+                cache.keys(layer_index, end),
+                cache.values(layer_index, end),
+                attn_mask=visible,
+                scale=engine._scaling,
+            )
+            attended = out.reshape(rows, heads, q_len, head_dim)[row_of, :, step_of]
+            attended = attended.reshape(1, -1, heads * head_dim)  # (1, T, H * hd)
+            hidden = hidden + engine._project(layer.self_attn.o_proj, attended)
+        if executed[2 * layer_index + 1]:
+            hidden = engine._mlp_item(layer_index, hidden)
+    if not all_logits:
+        last = torch.tensor(widths, device=device).cumsum(0) - 1
+        return engine.logits(hidden[0, last])
+    logits = engine.logits(hidden[0])  # (T, vocab)
+    result = logits.new_zeros(rows, q_len, logits.shape[-1])
+    result[row_of, step_of] = logits
+    return result
 
 
 __all__ = ["forward_batch", "new_batch_cache", "ragged_mask"]
