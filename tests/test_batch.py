@@ -27,6 +27,7 @@ from knapspec.decoding.batch_policy import (
     FixedLookupBatchPolicy,
     PlainBatchPolicy,
     batched_verify_cost,
+    packed_verify_cost,
 )
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.decoding.run import GenerationResult
@@ -337,8 +338,10 @@ def test_a_wide_pass_that_ran_dear_stops_the_batch_drafting() -> None:
     assert policy.draft_lengths(rows, [_proposal()] * 4, [100] * 4) == [3] * 4
     plain_price = batched_verify_cost(costs, 4, 1, 100)
     policy.observe_pass(4, 1, 100, plain_price)  # a plain pass costs what was predicted
-    for width in (2, 3, 4):  # every draft width costs 4x its price
-        policy.observe_pass(4, width, 100, 4 * batched_verify_cost(costs, 4, width, 100))
+    for extra in range(1, 13):  # every pass with drafts (5..16 real tokens) costs 4x
+        widths = [1 + extra, 1, 1, 1]
+        seconds = 4 * packed_verify_cost(costs, widths, 100)
+        policy.observe_pass(4, max(widths), 100, seconds, widths=widths)
     assert policy.draft_lengths(rows, [_proposal()] * 4, [100] * 4) == [0] * 4
     # The decoder keeps the calibration across calls, for the same cost model only.
     decoder = SpeculativeDecoder(tiny_model("llama", 3), cost_model=costs)

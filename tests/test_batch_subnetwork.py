@@ -5,8 +5,10 @@ batch-level policy prices the sub-network against lookup drafts and γ = 0."""
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -24,11 +26,13 @@ from knapspec.decoding.batch_policy import (
     RoundPlan,
     SubnetworkAcceptance,
     batched_draft_cost,
+    packed_verify_cost,
 )
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.decoding.verify import Verdict
 from knapspec.drafters.base import LOOKUP, SUBNETWORK, Draft
 from knapspec.planners import StaticPlanner
+from knapspec.planners.objective import chained_expected_tokens
 from knapspec.sampling import SamplingParams
 from knapspec.testing import CheapDraftCostModel, VerifyCurveCostModel
 from knapspec.types import SublayerMask
@@ -303,3 +307,54 @@ def test_a_row_at_the_context_limit_caps_the_shared_draft_steps() -> None:
     # steps; round 3: room 2, row 1 one position short, so 1 step.
     assert result.stats[0].drafters[SUBNETWORK].drafted == 3
     assert result.stats[0].drafted_at_position == [2, 1]
+
+
+# ------------------------------------------------------------------ per-row lookup lengths
+@given(
+    rates=st.lists(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=4), min_size=1, max_size=3),
+    per_token=st.floats(0.0, 0.6),
+    attention=st.floats(0.0, 0.5),
+)
+def test_per_row_lookup_lengths_match_a_brute_force_over_every_allocation(
+    rates: list[list[float]], per_token: float, attention: float
+) -> None:
+    """The policy's lookup lengths reach the highest tokens per second of any allocation
+    (brute force over every γ vector), under packed products that cost per token and an
+    attention term that grows with the padded width."""
+
+    class Costs(VerifyCurveCostModel):
+        def verify_cost(self, tokens: int, context_length: int) -> float:
+            return 1.0 + per_token * (tokens - 1) + attention * tokens * (context_length > 0)
+
+    costs = Costs(lambda tokens: 1.0)
+    policy = CostModelBatchPolicy(costs, max_draft_length=4, margin=0.0)
+    policy.reset(len(rates))
+    gains = [chained_expected_tokens(row) for row in rates]
+    lengths = [len(row) for row in rates]
+    policy._lookup_gains = lambda rows, proposals: (gains, lengths)  # type: ignore[method-assign]
+    proposals = [Draft(tuple(range(n)), LOOKUP) for n in lengths]
+    chosen = policy.draft_lengths(list(range(len(rates))), proposals, [100] * len(rates))
+
+    def speed(gammas: tuple[int, ...]) -> float:
+        widths = [1 + g for g in gammas]
+        tokens = sum(float(gain[g]) for gain, g in zip(gains, gammas, strict=True))
+        return tokens / packed_verify_cost(costs, widths, 100)
+
+    best = max(speed(g) for g in itertools.product(*(range(n + 1) for n in lengths)))
+    assert speed(tuple(chosen)) == pytest.approx(best, rel=1e-9)
+    assert all(0 <= g <= n for g, n in zip(chosen, lengths, strict=True))
+    assert np.isfinite(best)
+
+
+def test_a_row_that_copies_drafts_more_than_a_row_that_does_not() -> None:
+    """Packed products price each row's tokens on their own: a row whose lookup matches
+    16 tokens drafts long, a row with a 1-token match drafts little or nothing."""
+    costs = VerifyCurveCostModel(lambda tokens: 1.0 + 0.08 * (tokens - 1))
+    policy = CostModelBatchPolicy(costs, max_draft_length=6)
+    policy.reset(2)
+    proposals = [
+        Draft(tuple(range(6)), LOOKUP, match_length=16),
+        Draft(tuple(range(6)), LOOKUP, match_length=1),
+    ]
+    long, short = policy.draft_lengths([0, 1], proposals, [100, 100])
+    assert long > short and long >= 3

@@ -5,28 +5,32 @@ A batched round verifies every active row in one full-model pass: row ``r`` feed
 together, attention over the rows padded to ``q = 1 + max_r γ_r``. Its cost is one number
 for the whole batch, so the decision is made at batch level:
 
-* :class:`CostModelBatchPolicy` (the default whenever the decoder has a cost model) tries
-  every cap ``G ∈ {0..D}``: row ``r`` drafts ``γ_r = min(G, len(proposal_r))`` and
-  commits ``E_r(γ_r)`` tokens in expectation, from its own online per-bucket acceptance
+* :class:`CostModelBatchPolicy` (the default whenever the decoder has a cost model)
+  chooses each row's ``γ_r``: drafting ``k`` lookup tokens, row ``r`` commits ``E_r(k)``
+  tokens in expectation, from its own online per-bucket acceptance
   (:class:`~knapspec.drafters.acceptance.LookupAcceptance`, learned in hindsight from
   every round, drafted or not). The round's cost comes from the cost model's verify
   costs, split into the part that does not grow with the context and the part that does
   (:func:`packed_verify_cost`): the linear products see all ``T = Σ_r (1 + γ_r)`` tokens
   at once, ``verify_cost(T, 0)``, and every row attends over its own cache,
-  ``rows · (verify_cost(q, n̄) - verify_cost(q, 0))`` at the rows' mean context
-  ``n̄``. It picks the ``G`` of the highest tokens per second ``Σ_r E_r(γ_r) / cost(G)``,
-  and drafts only when that beats the plain batch step (``G = 0``) by ``margin``. The
-  wider the batch, the more a draft token costs relative to what one row gains (the
-  products leave the few-row regime where extra rows are nearly free), so a large batch
+  ``rows · (verify_cost(q, n̄) - verify_cost(q, 0))`` at the rows' mean context ``n̄``.
+  For each cap ``G`` on the padded width it takes the rows' marginal gains
+  ``E_r(k) - E_r(k - 1)`` largest first (they fall along each row, so the first ``m``
+  are the best ``m`` draft tokens of the batch) and keeps the count of the highest tokens
+  per second ``Σ_r E_r(γ_r) / cost``; a row whose drafts are seldom accepted drafts
+  fewer than one that copies. It drafts only when the best round beats the plain batch
+  step (all ``γ_r = 0``) by ``margin``. The wider the batch, the more a draft token costs
+  relative to what one row gains (the products leave the few-row regime where extra rows
+  are nearly free), so a large batch
   chooses ``G = 0`` by itself. The cost model prices one sequence; how far a batched pass
   strays from that price is learned from every pass the batch runs
   (:class:`BatchPassCalibration`), so a wide draft that proved dear is priced as it ran.
   With a layer-skipping sub-network on offer (:class:`BatchSubnetwork`, the mask the
   decoder's planner chose on the batch's first row), every cap ``G`` is also priced with
-  the sub-network drafting ``G`` tokens in one batched masked pass per token
+  the sub-network drafting up to ``G`` tokens in one batched masked pass per token
   (:func:`batched_draft_cost`, calibrated like verification) for the rows whose expected
-  tokens ``Σ_{i≤G} α_r^i`` (per-row acceptance, a Beta estimate around the planner's
-  prediction) beat their lookup draft's; the other rows keep their lookup tokens.
+  tokens ``Σ_{i≤γ} α_r^i`` (per-row acceptance, a Beta estimate around the planner's
+  prediction) beat their lookup allocation's; the other rows keep their lookup tokens.
 * :class:`FixedLookupBatchPolicy` drafts up to ``k`` lookup tokens in every row with a
   match (the fixed-length ablation; the tests use it to force ragged acceptance).
 * :class:`FixedSubnetworkBatchPolicy` drafts ``k`` sub-network tokens in every row (the
@@ -49,7 +53,7 @@ import numpy as np
 
 from knapspec.costmodels.base import CostModel
 from knapspec.drafters.acceptance import LookupAcceptance
-from knapspec.drafters.base import Draft
+from knapspec.drafters.base import LOOKUP, SUBNETWORK, Draft
 from knapspec.planners.objective import chained_expected_tokens
 from knapspec.types import SublayerMask
 from knapspec.validators import interval, unit_interval
@@ -341,7 +345,7 @@ class FixedSubnetworkBatchPolicy(BatchDraftPolicy):
 
 
 class CostModelBatchPolicy(BatchDraftPolicy):
-    """The batch-level TPT search over a common cap ``G`` (module docstring).
+    """The batch-level TPT search over every row's draft length (module docstring).
 
     Args:
         cost_model: prices each round (:func:`batched_verify_cost`,
@@ -379,9 +383,9 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         )
         self.acceptance: list[LookupAcceptance] = []
         self.subnetwork_acceptance: list[SubnetworkAcceptance] = []
-        #: The last round's predicted tokens per second per cap ``G = 0..D``: the best
-        #: option at each cap (diagnostics).
-        self.last_tokens_per_second: list[float] = []
+        #: The last round's predicted tokens per second: ``"plain"`` (γ = 0) and the best
+        #: round found with ``"lookup"`` / ``"subnetwork"`` drafts (diagnostics).
+        self.last_tokens_per_second: dict[str, float] = {}
 
     def reset(self, rows: int) -> None:
         self.acceptance = [LookupAcceptance() for _ in range(rows)]
@@ -444,6 +448,15 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         *,
         subnetwork: bool,
     ) -> RoundPlan:
+        """The round of the highest predicted tokens per second (module docstring).
+
+        For each cap ``G`` (the padded width ``G + 1`` fixes the attention's cost), every
+        row's lookup increments ``E_r(k) - E_r(k - 1)``, ``k <= min(G, len_r)``, are
+        taken largest first: they fall along each row, so the first ``m`` of them are
+        the best ``m`` extra tokens over the batch, and the products cost only their
+        count (they run packed). With a sub-network on offer, the rows it serves better
+        than their lookup tokens switch to it at ``min(G, room_r)`` tokens.
+        """
         count = len(proposals)
         nothing = RoundPlan.lookup([0] * count)
         gains, lookup_lengths = self._lookup_gains(rows, proposals)
@@ -452,80 +465,87 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         if offer is not None:
             longest = max(longest, min(self.max_draft_length, max(rooms, default=0)))
         if longest == 0:
-            self.last_tokens_per_second = []
+            self.last_tokens_per_second = {}
             return nothing
-        context = round(sum(context_lengths) / count)
+        prices = _RoundPrices(self, count, round(sum(context_lengths) / count))
+        plain = count / prices.round(count, 1, 0)
         alphas = [self.subnetwork_acceptance[row].rate for row in rows] if offer else []
-        best_tpt, best_plan = count / self._price([0] * count, context, 0), nothing
-        by_cap = [best_tpt]
+        best_tpt, best_plan = plain, nothing
+        best_of = {"plain": plain}
         for cap in range(1, longest + 1):
-            lookup_gammas = [min(cap, length) for length in lookup_lengths]
-            lookup_tokens = [float(g[k]) for g, k in zip(gains, lookup_gammas, strict=True)]
-            options: list[tuple[float, RoundPlan]] = []
-            if any(lookup_gammas):
-                tpt = sum(lookup_tokens) / self._price(lookup_gammas, context, 0)
-                options.append((tpt, RoundPlan.lookup(lookup_gammas)))
-            if offer is not None:
-                options.extend(
-                    self._subnetwork_option(
-                        cap, count, context, rooms, alphas, lookup_gammas, lookup_tokens
-                    )
-                )
-            if not options:
-                by_cap.append(0.0)
-                continue
-            tpt, plan = max(options, key=lambda option: option[0])
-            by_cap.append(tpt)
+            tpt, gammas = self._best_lookup(gains, lookup_lengths, cap, prices)
+            if tpt > best_of.get(LOOKUP, 0.0):
+                best_of[LOOKUP] = tpt
             if tpt > best_tpt:
-                best_tpt, best_plan = tpt, plan
-        self.last_tokens_per_second = by_cap
-        if best_tpt < (1.0 + self.margin) * by_cap[0]:
+                best_tpt, best_plan = tpt, RoundPlan.lookup(gammas)
+            if offer is None:
+                continue
+            option = self._subnetwork_option(cap, rooms, alphas, gains, gammas, prices)
+            if option is not None:
+                if option[0] > best_of.get(SUBNETWORK, 0.0):
+                    best_of[SUBNETWORK] = option[0]
+                if option[0] > best_tpt:
+                    best_tpt, best_plan = option
+        self.last_tokens_per_second = best_of
+        if best_tpt < (1.0 + self.margin) * plain:
             return nothing
         return best_plan
+
+    @staticmethod
+    def _best_lookup(
+        gains: Sequence[FloatArray], lengths: Sequence[int], cap: int, prices: _RoundPrices
+    ) -> tuple[float, list[int]]:
+        """The best lookup allocation with every γ_r <= ``cap``: its tokens per second and
+        the γ_r (all 0 when no extra token pays)."""
+        count = len(gains)
+        increments = sorted(
+            (
+                (float(gain[k] - gain[k - 1]), row)
+                for row, (gain, length) in enumerate(zip(gains, lengths, strict=True))
+                for k in range(1, min(cap, length) + 1)
+            ),
+            key=lambda item: -item[0],  # stable: a row's increments stay in order
+        )
+        counts = [0] * count
+        tokens, widest = float(count), 0
+        best_tpt, best_m = tokens / prices.round(count, 1, 0), 0
+        for m, (increment, row) in enumerate(increments, start=1):
+            tokens += increment
+            counts[row] += 1
+            widest = max(widest, counts[row])
+            tpt = tokens / prices.round(count + m, 1 + widest, 0)
+            if tpt > best_tpt:
+                best_tpt, best_m = tpt, m
+        gammas = [0] * count
+        for _, row in increments[:best_m]:
+            gammas[row] += 1
+        return best_tpt, gammas
 
     def _subnetwork_option(
         self,
         cap: int,
-        count: int,
-        context: int,
         rooms: Sequence[int],
         alphas: Sequence[float],
+        gains: Sequence[FloatArray],
         lookup_gammas: Sequence[int],
-        lookup_tokens: Sequence[float],
-    ) -> list[tuple[float, RoundPlan]]:
+        prices: _RoundPrices,
+    ) -> tuple[float, RoundPlan] | None:
         """The round with the sub-network drafting up to ``cap`` tokens for the rows it
-        serves better than their lookup draft; empty when it serves none."""
-        sub_gammas = [min(cap, room) for room in rooms]
-        sub_tokens = [
-            float(np.sum(alpha ** np.arange(g + 1)))
-            for alpha, g in zip(alphas, sub_gammas, strict=True)
-        ]
-        uses = [
-            g > 0 and s > t for g, s, t in zip(sub_gammas, sub_tokens, lookup_tokens, strict=True)
-        ]
+        serves better than their lookup allocation ``lookup_gammas``; None when it serves
+        none."""
+        gammas, uses, tokens = [], [], 0.0
+        for alpha, room, gain, lookup in zip(alphas, rooms, gains, lookup_gammas, strict=True):
+            sub = min(cap, room)
+            sub_tokens = float(np.sum(alpha ** np.arange(sub + 1)))
+            use = sub > 0 and sub_tokens > float(gain[lookup])
+            uses.append(use)
+            gammas.append(sub if use else lookup)
+            tokens += sub_tokens if use else float(gain[lookup])
         if not any(uses):
-            return []
-        gammas = tuple(
-            sg if use else lg for use, sg, lg in zip(uses, sub_gammas, lookup_gammas, strict=True)
-        )
-        tokens = sum(
-            s if use else t for use, s, t in zip(uses, sub_tokens, lookup_tokens, strict=True)
-        )
+            return None
         steps = max(g for g, use in zip(gammas, uses, strict=True) if use)
-        cost = self._price(gammas, context, steps)
-        return [(tokens / cost, RoundPlan(gammas, tuple(uses)))]
-
-    def _price(self, gammas: Sequence[int], context: int, steps: int) -> float:
-        """Calibrated seconds of a round whose rows draft ``gammas``: ``steps`` batched
-        sub-network steps over every row, then one packed verification."""
-        widths = [1 + gamma for gamma in gammas]
-        cost = packed_verify_cost(self.cost_model, widths, context)
-        cost *= self.calibration.factor(sum(widths))
-        if steps and self.subnetwork is not None:
-            rows = len(gammas)
-            step = batched_draft_cost(self.cost_model, self.subnetwork.mask, rows, context)
-            cost += steps * step * self.draft_calibration.factor(rows)
-        return cost
+        cost = prices.round(len(gammas) + sum(gammas), 1 + max(gammas), steps)
+        return tokens / cost, RoundPlan(tuple(gammas), tuple(uses))
 
     def observe(self, row: int, proposal: Draft, committed: Sequence[int]) -> None:
         self.acceptance[row].observe_round(proposal.tokens, proposal.match_length, committed)
@@ -551,6 +571,42 @@ class CostModelBatchPolicy(BatchDraftPolicy):
             return
         predicted = batched_draft_cost(self.cost_model, self.subnetwork.mask, rows, context)
         self.draft_calibration.observe(rows, predicted, seconds)
+
+
+class _RoundPrices:
+    """One round's calibrated prices, each cost-model query made once: the products of
+    ``T`` packed tokens, the attention at padded width ``w`` (every row), one batched
+    sub-network step over every row."""
+
+    def __init__(self, policy: CostModelBatchPolicy, rows: int, context: int) -> None:
+        self.policy = policy
+        self.rows = rows
+        self.context = context
+        self._products: dict[int, float] = {}
+        self._attention: dict[int, float] = {}
+        self._step: float | None = None
+
+    def round(self, tokens: int, width: int, steps: int) -> float:
+        """Seconds of ``steps`` sub-network steps, then a verification of ``tokens`` real
+        tokens padded to ``width`` per row."""
+        policy, cost_model = self.policy, self.policy.cost_model
+        products = self._products.get(tokens)
+        if products is None:
+            products = cost_model.verify_cost(tokens, 0)
+            self._products[tokens] = products
+        attention = self._attention.get(width)
+        if attention is None:
+            full = cost_model.verify_cost(width, self.context)
+            attention = self.rows * max(full - cost_model.verify_cost(width, 0), 0.0)
+            self._attention[width] = attention
+        cost = (products + attention) * policy.calibration.factor(tokens)
+        if steps and policy.subnetwork is not None:
+            if self._step is None:
+                mask = policy.subnetwork.mask
+                step = batched_draft_cost(cost_model, mask, self.rows, self.context)
+                self._step = step * policy.draft_calibration.factor(self.rows)
+            cost += steps * self._step
+        return cost
 
 
 __all__ = [
