@@ -44,172 +44,25 @@ sub-network.
 from __future__ import annotations
 
 import abc
-import math
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
 import numpy as np
 
 from knapspec.costmodels.base import CostModel
+from knapspec.decoding.batch_plan import BatchSubnetwork, RoundPlan, SubnetworkAcceptance
+from knapspec.decoding.batch_pricing import (
+    BatchPassCalibration,
+    RoundPrices,
+    batched_draft_cost,
+    batched_verify_cost,
+    packed_verify_cost,
+)
 from knapspec.drafters.acceptance import LookupAcceptance
 from knapspec.drafters.base import LOOKUP, SUBNETWORK, Draft
 from knapspec.planners.objective import chained_expected_tokens
-from knapspec.types import SublayerMask
-from knapspec.validators import interval, unit_interval
 
 FloatArray = np.ndarray[Any, np.dtype[np.float64]]
-
-
-def batched_verify_cost(cost_model: CostModel, rows: int, tokens: int, context: int) -> float:
-    """Predicted seconds of one verify pass over ``rows`` rows of ``tokens`` tokens each at
-    a mean context ``context``: the products over all ``rows · tokens`` tokens plus each
-    row's own attention (the context-dependent part of a ``tokens``-wide verification)."""
-    return packed_verify_cost(cost_model, [tokens] * rows, context)
-
-
-def packed_verify_cost(cost_model: CostModel, widths: Sequence[int], context: int) -> float:
-    """Predicted seconds of one verify pass whose row ``r`` feeds ``widths[r]`` tokens, at
-    a mean context ``context``: the products over the ``Σ widths`` real tokens (the batch
-    packs them) plus every row's attention at the padded width ``max(widths)``."""
-    width = max(widths)
-    products = cost_model.verify_cost(sum(widths), 0)
-    attention = cost_model.verify_cost(width, context) - cost_model.verify_cost(width, 0)
-    return products + len(widths) * max(attention, 0.0)
-
-
-def batched_draft_cost(cost_model: CostModel, mask: SublayerMask, rows: int, context: int) -> float:
-    """Predicted seconds of one batched draft step of ``mask`` over ``rows`` rows (one
-    token each) at a mean context ``context``: the mask's products, scaled from one row to
-    ``rows`` rows as the cost model's verification scales (few-row products stream each
-    weight once), plus each row's own attention over its cache."""
-    products = cost_model.draft_cost(mask, 0)
-    attention = cost_model.draft_cost(mask, context) - products
-    one_row = cost_model.verify_cost(1, 0)
-    scale = cost_model.verify_cost(rows, 0) / one_row if one_row > 0 else float(rows)
-    return products * scale + rows * max(attention, 0.0)
-
-
-@attrs.frozen
-class BatchSubnetwork:
-    """The layer-skipping draft a batch may use: one mask, shared by the rows that draft
-    with it in a round.
-
-    Attributes:
-        mask: the sub-network (items it runs).
-        prior_acceptance: per-token acceptance expected before any round (the planner's
-            prediction where it made one).
-        prior_tokens: weight of that prior, in drafted tokens.
-        source: who chose the mask (a planner's name), for the stats.
-    """
-
-    mask: SublayerMask
-    prior_acceptance: float = attrs.field(
-        default=0.5, validator=interval(0.0, 1.0, low_open=True, high_open=True)
-    )
-    prior_tokens: float = attrs.field(default=4.0, validator=interval(0.0, math.inf))
-    source: str = ""
-
-
-@attrs.define
-class SubnetworkAcceptance:
-    """One row's per-token acceptance of sub-network drafts: a Beta posterior mean.
-
-    A round that drafted ``k`` tokens and accepted ``a`` of them shows ``a`` acceptances
-    and, when ``a < k``, one rejection (later tokens were never tested), so
-    ``α = (m·α₀ + accepted) / (m + accepted + rejections)`` with the prior ``α₀`` of
-    weight ``m`` tokens.
-    """
-
-    prior_acceptance: float
-    prior_tokens: float
-    accepted: int = 0
-    rejections: int = 0
-
-    @property
-    def rate(self) -> float:
-        """The current estimate of α, in (0, 1)."""
-        weight = self.prior_tokens
-        seen = self.accepted + self.rejections
-        if weight + seen <= 0:
-            return self.prior_acceptance
-        return (weight * self.prior_acceptance + self.accepted) / (weight + seen)
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        """One verified round of ``drafted`` sub-network tokens."""
-        self.accepted += accepted
-        self.rejections += int(accepted < drafted)
-
-
-@attrs.frozen
-class RoundPlan:
-    """What a batched round drafts, per active row (in the step's order).
-
-    Attributes:
-        draft_lengths: γ_r (0 for a plain step).
-        subnetwork_rows: True where row ``r`` drafts its γ_r tokens with the sub-network
-            (else with its lookup proposal).
-    """
-
-    draft_lengths: tuple[int, ...]
-    subnetwork_rows: tuple[bool, ...]
-
-    @classmethod
-    def lookup(cls, lengths: Sequence[int]) -> RoundPlan:
-        """Every row drafts its lookup proposal's first γ_r tokens."""
-        return cls(tuple(lengths), (False,) * len(lengths))
-
-    @property
-    def draft_steps(self) -> int:
-        """Batched sub-network steps the round runs (the longest sub-network draft)."""
-        return max(
-            (g for g, sub in zip(self.draft_lengths, self.subnetwork_rows, strict=True) if sub),
-            default=0,
-        )
-
-
-@attrs.define
-class BatchPassCalibration:
-    """Measured / predicted seconds of batched verification passes, learned online.
-
-    The cost model is fitted on single sequences; a batched pass (``rows × width`` tokens,
-    each row attending over its own cache) runs other kernel shapes. On a 2-core AMD EPYC
-    the prediction was up to 1.5x low for 8 rows × 5 tokens at 2k context and right for
-    8 rows × 1 token, so uncorrected the policy drafted where drafting lost. Each pass's
-    ratio enters an exponential average keyed by the pass's total real tokens ``Σ widths``;
-    a size not seen yet borrows the ratio of the nearest size seen (in log scale), and
-    before any pass the ratio is 1 (the cost model as it is). A draft the cost model makes
-    look cheap is thus tried, then priced by what it really cost.
-
-    Attributes:
-        smoothing: weight of the newest pass in the average, in (0, 1].
-        ratios: total tokens per pass -> smoothed measured / predicted seconds.
-    """
-
-    smoothing: float = attrs.field(default=0.3, validator=unit_interval)
-    ratios: dict[int, float] = attrs.field(factory=dict)
-
-    def __attrs_post_init__(self) -> None:
-        if self.smoothing <= 0:
-            raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
-
-    def observe(self, tokens: int, predicted: float, seconds: float) -> None:
-        """Fold one pass of ``tokens`` total tokens into the average (ignored when either
-        time is not positive: nothing to learn from it)."""
-        if tokens < 1 or predicted <= 0 or seconds <= 0:
-            return
-        ratio = seconds / predicted
-        old = self.ratios.get(tokens)
-        self.ratios[tokens] = ratio if old is None else old + self.smoothing * (ratio - old)
-
-    def factor(self, tokens: int) -> float:
-        """The correction for a pass of ``tokens`` total tokens (1.0 before any pass)."""
-        if not self.ratios:
-            return 1.0
-        if tokens in self.ratios:
-            return self.ratios[tokens]
-        nearest = min(self.ratios, key=lambda seen: (abs(math.log(seen / tokens)), seen))
-        return self.ratios[nearest]
 
 
 class BatchDraftPolicy(abc.ABC):
@@ -467,7 +320,14 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         if longest == 0:
             self.last_tokens_per_second = {}
             return nothing
-        prices = _RoundPrices(self, count, round(sum(context_lengths) / count))
+        prices = RoundPrices(
+            self.cost_model,
+            count,
+            round(sum(context_lengths) / count),
+            self.calibration,
+            self.draft_calibration,
+            offer.mask if offer is not None else None,
+        )
         plain = count / prices.round(count, 1, 0)
         alphas = [self.subnetwork_acceptance[row].rate for row in rows] if offer else []
         best_tpt, best_plan = plain, nothing
@@ -493,7 +353,7 @@ class CostModelBatchPolicy(BatchDraftPolicy):
 
     @staticmethod
     def _best_lookup(
-        gains: Sequence[FloatArray], lengths: Sequence[int], cap: int, prices: _RoundPrices
+        gains: Sequence[FloatArray], lengths: Sequence[int], cap: int, prices: RoundPrices
     ) -> tuple[float, list[int]]:
         """The best lookup allocation with every γ_r <= ``cap``: its tokens per second and
         the γ_r (all 0 when no extra token pays)."""
@@ -528,7 +388,7 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         alphas: Sequence[float],
         gains: Sequence[FloatArray],
         lookup_gammas: Sequence[int],
-        prices: _RoundPrices,
+        prices: RoundPrices,
     ) -> tuple[float, RoundPlan] | None:
         """The round with the sub-network drafting up to ``cap`` tokens for the rows it
         serves better than their lookup allocation ``lookup_gammas``; None when it serves
@@ -571,42 +431,6 @@ class CostModelBatchPolicy(BatchDraftPolicy):
             return
         predicted = batched_draft_cost(self.cost_model, self.subnetwork.mask, rows, context)
         self.draft_calibration.observe(rows, predicted, seconds)
-
-
-class _RoundPrices:
-    """One round's calibrated prices, each cost-model query made once: the products of
-    ``T`` packed tokens, the attention at padded width ``w`` (every row), one batched
-    sub-network step over every row."""
-
-    def __init__(self, policy: CostModelBatchPolicy, rows: int, context: int) -> None:
-        self.policy = policy
-        self.rows = rows
-        self.context = context
-        self._products: dict[int, float] = {}
-        self._attention: dict[int, float] = {}
-        self._step: float | None = None
-
-    def round(self, tokens: int, width: int, steps: int) -> float:
-        """Seconds of ``steps`` sub-network steps, then a verification of ``tokens`` real
-        tokens padded to ``width`` per row."""
-        policy, cost_model = self.policy, self.policy.cost_model
-        products = self._products.get(tokens)
-        if products is None:
-            products = cost_model.verify_cost(tokens, 0)
-            self._products[tokens] = products
-        attention = self._attention.get(width)
-        if attention is None:
-            full = cost_model.verify_cost(width, self.context)
-            attention = self.rows * max(full - cost_model.verify_cost(width, 0), 0.0)
-            self._attention[width] = attention
-        cost = (products + attention) * policy.calibration.factor(tokens)
-        if steps and policy.subnetwork is not None:
-            if self._step is None:
-                mask = policy.subnetwork.mask
-                step = batched_draft_cost(cost_model, mask, self.rows, self.context)
-                self._step = step * policy.draft_calibration.factor(self.rows)
-            cost += steps * self._step
-        return cost
 
 
 __all__ = [

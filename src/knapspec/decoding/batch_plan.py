@@ -1,0 +1,93 @@
+"""The records a batched round is planned with: the sub-network on offer, each row's
+acceptance of it, and the round's plan."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import attrs
+
+from knapspec.types import SublayerMask
+from knapspec.validators import interval
+
+
+@attrs.frozen
+class BatchSubnetwork:
+    """The layer-skipping draft a batch may use: one mask, shared by the rows that draft
+    with it in a round.
+
+    Attributes:
+        mask: the sub-network (items it runs).
+        prior_acceptance: per-token acceptance expected before any round (the planner's
+            prediction where it made one).
+        prior_tokens: weight of that prior, in drafted tokens.
+        source: who chose the mask (a planner's name), for the stats.
+    """
+
+    mask: SublayerMask
+    prior_acceptance: float = attrs.field(
+        default=0.5, validator=interval(0.0, 1.0, low_open=True, high_open=True)
+    )
+    prior_tokens: float = attrs.field(default=4.0, validator=interval(0.0, math.inf))
+    source: str = ""
+
+
+@attrs.define
+class SubnetworkAcceptance:
+    """One row's per-token acceptance of sub-network drafts: a Beta posterior mean.
+
+    A round that drafted ``k`` tokens and accepted ``a`` of them shows ``a`` acceptances
+    and, when ``a < k``, one rejection (later tokens were never tested), so
+    ``α = (m·α₀ + accepted) / (m + accepted + rejections)`` with the prior ``α₀`` of
+    weight ``m`` tokens.
+    """
+
+    prior_acceptance: float
+    prior_tokens: float
+    accepted: int = 0
+    rejections: int = 0
+
+    @property
+    def rate(self) -> float:
+        """The current estimate of α, in (0, 1)."""
+        weight = self.prior_tokens
+        seen = self.accepted + self.rejections
+        if weight + seen <= 0:
+            return self.prior_acceptance
+        return (weight * self.prior_acceptance + self.accepted) / (weight + seen)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """One verified round of ``drafted`` sub-network tokens."""
+        self.accepted += accepted
+        self.rejections += int(accepted < drafted)
+
+
+@attrs.frozen
+class RoundPlan:
+    """What a batched round drafts, per active row (in the step's order).
+
+    Attributes:
+        draft_lengths: γ_r (0 for a plain step).
+        subnetwork_rows: True where row ``r`` drafts its γ_r tokens with the sub-network
+            (else with its lookup proposal).
+    """
+
+    draft_lengths: tuple[int, ...]
+    subnetwork_rows: tuple[bool, ...]
+
+    @classmethod
+    def lookup(cls, lengths: Sequence[int]) -> RoundPlan:
+        """Every row drafts its lookup proposal's first γ_r tokens."""
+        return cls(tuple(lengths), (False,) * len(lengths))
+
+    @property
+    def draft_steps(self) -> int:
+        """Batched sub-network steps the round runs (the longest sub-network draft)."""
+        return max(
+            (g for g, sub in zip(self.draft_lengths, self.subnetwork_rows, strict=True) if sub),
+            default=0,
+        )
+
+
+__all__ = ["BatchSubnetwork", "RoundPlan", "SubnetworkAcceptance"]
