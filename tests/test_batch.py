@@ -120,10 +120,10 @@ def _check_cache(run: BatchRun, cache: BatchKVCache, active: list[int]) -> None:
             torch.testing.assert_close(values, single.values(layer), atol=1e-5, rtol=1e-4)
 
 
-def test_each_row_caches_exactly_its_accepted_tokens_with_ragged_acceptance(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    rounds: list[list[tuple[int, int]]] = []  # per round: (drafted, accepted) per row
+def checked_rounds(monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[int, int]]]:
+    """Check every row's cache after every batched round (:func:`_check_cache`); the
+    returned list fills with each round's ``(drafted, accepted)`` per active row."""
+    rounds: list[list[tuple[int, int]]] = []
     original = BatchRun._round
 
     def checked_round(self, active, cache, pending, lengths):  # type: ignore[no-untyped-def]
@@ -136,6 +136,13 @@ def test_each_row_caches_exactly_its_accepted_tokens_with_ragged_acceptance(
         _check_cache(self, cache, active)
 
     monkeypatch.setattr(BatchRun, "_round", checked_round)
+    return rounds
+
+
+def test_each_row_caches_exactly_its_accepted_tokens_with_ragged_acceptance(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rounds = checked_rounds(monkeypatch)
     # Row 0 repeats (its drafts are accepted), row 1 repeats a pattern the model does not
     # continue (its drafts are rejected).
     prompts = [REPEATING, [4, 4, 4, 4, 4, 4, 4, 4], [60, 2, 7]]

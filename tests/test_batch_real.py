@@ -16,6 +16,16 @@ pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 NEW_TOKENS = 20
 
 
+def _assert_rows_equal_generate(model, prompts, result) -> None:  # type: ignore[no-untyped-def]
+    """Every row equals ``model.generate``'s greedy tokens for that prompt alone."""
+    for row, prompt in enumerate(prompts):
+        ids = prompt.unsqueeze(0)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False
+        )
+        assert torch.equal(result.tokens[row], out[0, prompt.numel() :]), f"row {row} differs"
+
+
 def test_a_mixed_length_batch_equals_each_prompt_alone() -> None:
     model, tokenizer = load_model_and_tokenizer(progress=False)
     prompts = [
@@ -29,12 +39,7 @@ def test_a_mixed_length_batch_equals_each_prompt_alone() -> None:
     result = decoder.generate_batch(
         prompts, max_new_tokens=NEW_TOKENS, eos_token_id=eos, policy=FixedLookupBatchPolicy(4)
     )
-    for row, prompt in enumerate(prompts):
-        ids = prompt.unsqueeze(0)
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False
-        )
-        assert torch.equal(result.tokens[row], out[0, prompt.numel() :]), f"row {row} differs"
+    _assert_rows_equal_generate(model, prompts, result)
     assert result.stats[0].accepted_tokens > 0
 
 
@@ -54,11 +59,6 @@ def test_a_batch_drafting_with_a_shared_subnetwork_equals_each_prompt_alone() ->
     result = decoder.generate_batch(
         prompts, max_new_tokens=NEW_TOKENS, eos_token_id=eos, policy=FixedSubnetworkBatchPolicy(3)
     )
-    for row, prompt in enumerate(prompts):
-        ids = prompt.unsqueeze(0)
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False
-        )
-        assert torch.equal(result.tokens[row], out[0, prompt.numel() :]), f"row {row} differs"
-        assert result.stats[row].drafters["subnetwork"].drafted > 0
+    _assert_rows_equal_generate(model, prompts, result)
+    assert all(stats.drafters["subnetwork"].drafted > 0 for stats in result.stats)
     assert sum(s.accepted_tokens for s in result.stats) > 0

@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from tests.test_batch import REPEATING, _assert_rows_equal_alone, _check_cache
+from tests.test_batch import REPEATING, _assert_rows_equal_alone, checked_rounds
 from tests.test_sampling import _chi_square_pvalue, _exact_joint, _small_vocab_model
 from tests.tiny_models import tiny_model
 
@@ -88,19 +88,7 @@ def test_each_greedy_row_with_subnetwork_drafts_equals_its_prompt_alone(
 def test_subnetwork_rounds_keep_exactly_each_rows_accepted_tokens(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    rounds: list[list[tuple[int, int]]] = []
-    original = BatchRun._round
-
-    def checked_round(self, active, cache, pending, lengths):  # type: ignore[no-untyped-def]
-        before = [(self.stats[r].drafted_tokens, self.stats[r].accepted_tokens) for r in active]
-        original(self, active, cache, pending, lengths)
-        after = [(self.stats[r].drafted_tokens, self.stats[r].accepted_tokens) for r in active]
-        rounds.append(
-            [(d1 - d0, a1 - a0) for (d0, a0), (d1, a1) in zip(before, after, strict=True)]
-        )
-        _check_cache(self, cache, active)
-
-    monkeypatch.setattr(BatchRun, "_round", checked_round)
+    rounds = checked_rounds(monkeypatch)
     # Skipping one MLP of three keeps some drafts right and gets others wrong.
     decoder = _static_decoder((3,))
     prompts = [REPEATING, [4, 4, 4, 4, 4, 4, 4, 4], [60, 2, 7], REPEATING[5:17]]

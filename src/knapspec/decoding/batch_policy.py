@@ -148,17 +148,21 @@ class PlainBatchPolicy(BatchDraftPolicy):
         return [0] * len(proposals)
 
 
-class FixedLookupBatchPolicy(BatchDraftPolicy):
-    """Up to ``draft_length`` lookup tokens in every row whose suffix matches.
-
-    Args:
-        draft_length: k >= 1.
-    """
+class _FixedLengthPolicy(BatchDraftPolicy):
+    """A policy that drafts a fixed ``draft_length`` (k >= 1) tokens where it drafts."""
 
     def __init__(self, draft_length: int = 3) -> None:
         if draft_length < 1:
             raise ValueError(f"draft_length must be >= 1, got {draft_length}")
         self.draft_length = draft_length
+
+
+class FixedLookupBatchPolicy(_FixedLengthPolicy):
+    """Up to ``draft_length`` lookup tokens in every row whose suffix matches.
+
+    Args:
+        draft_length: k >= 1.
+    """
 
     def draft_lengths(
         self, rows: Sequence[int], proposals: Sequence[Draft], context_lengths: Sequence[int]
@@ -166,18 +170,13 @@ class FixedLookupBatchPolicy(BatchDraftPolicy):
         return [min(self.draft_length, len(proposal)) for proposal in proposals]
 
 
-class FixedSubnetworkBatchPolicy(BatchDraftPolicy):
+class FixedSubnetworkBatchPolicy(_FixedLengthPolicy):
     """``draft_length`` sub-network tokens in every row each round (as far as the row's
     room allows); nothing while no sub-network is on offer.
 
     Args:
         draft_length: k >= 1.
     """
-
-    def __init__(self, draft_length: int = 3) -> None:
-        if draft_length < 1:
-            raise ValueError(f"draft_length must be >= 1, got {draft_length}")
-        self.draft_length = draft_length
 
     def draft_lengths(
         self, rows: Sequence[int], proposals: Sequence[Draft], context_lengths: Sequence[int]

@@ -104,19 +104,28 @@ def forward_batch(
             )
     # Padding may run past a row's real tokens; the real ones are checked by the caller.
     engine.check_context(max(starts) + 1)
+    device = engine.device
+    start_tensor = torch.tensor(starts, device=device)
+    packing: tuple[torch.Tensor, torch.Tensor] | None = None
     if widths is not None:
         if len(widths) != rows or any(not 1 <= w <= q_len for w in widths):
             raise ValueError(f"widths {list(widths)} must give each of {rows} rows 1..{q_len}")
         if any(w != q_len for w in widths):
-            return _forward_packed(
-                engine, token_ids, starts, cache, executed, list(widths), all_logits
-            )
-    device = engine.device
-    start_tensor = torch.tensor(starts, device=device)
-    hidden = engine.embed_tokens(token_ids.to(device))  # (rows, q, d)
-    positions = start_tensor.unsqueeze(1) + torch.arange(q_len, device=device)
+            # (T,) row and step of every real token, T = Σ widths.
+            row_of = torch.repeat_interleave(torch.arange(rows), torch.tensor(list(widths)))
+            step_of = torch.cat([torch.arange(w) for w in widths])
+            packing = (row_of.to(device), step_of.to(device))
+    if packing is None:
+        hidden = engine.embed_tokens(token_ids.to(device))  # (rows, q, d)
+        positions = start_tensor.unsqueeze(1) + torch.arange(q_len, device=device)
+        index = cache.write_index(start_tensor, q_len)  # (rows, q) each
+    else:
+        row_of, step_of = packing
+        hidden = engine.embed_tokens(token_ids.to(device)[row_of, step_of]).unsqueeze(0)
+        positions = (start_tensor[row_of] + step_of).unsqueeze(0)  # (1, T)
+        cache.check_room(int(positions.max()) + 1)
+        index = (row_of.unsqueeze(0), positions)  # (1, T) each
     cos, sin = engine.rotary_emb(hidden, positions)
-    index = cache.write_index(start_tensor, q_len)
     end = max(starts) + q_len
     visible = ragged_mask(start_tensor, q_len, end, engine.kv_groups)
     heads, kv_heads, head_dim = engine.num_heads, engine.kv_heads, engine.head_dim
@@ -125,78 +134,33 @@ def forward_batch(
             normed = layer.input_layernorm(hidden)
             query, key, value = engine._project_qkv(layer_index, normed, cos, sin)
             cache.write(layer_index, index, key, value)
+            if packing is not None:  # scatter the (1, H, T, hd) queries onto the padding
+                padded = query.new_zeros(rows, heads, q_len, head_dim)
+                padded[packing[0], :, packing[1]] = query[0].transpose(0, 1)
+                query = padded
             # Query heads sharing a K/V head are packed along the query axis (no repeat_kv).
-            packed = query.reshape(rows, kv_heads, engine.kv_groups * q_len, head_dim)
             out = F.scaled_dot_product_attention(
-                packed,
+                query.reshape(rows, kv_heads, engine.kv_groups * q_len, head_dim),
                 cache.keys(layer_index, end),
                 cache.values(layer_index, end),
                 attn_mask=visible,
                 scale=engine._scaling,
-            )
-            attended = (
-                out.reshape(rows, heads, q_len, head_dim)
-                .transpose(1, 2)
-                .reshape(rows, q_len, heads * head_dim)
-            )
+            ).reshape(rows, heads, q_len, head_dim)
+            if packing is None:
+                attended = out.transpose(1, 2).reshape(rows, q_len, heads * head_dim)
+            else:  # gather the real tokens back: (1, T, H * hd)
+                attended = out[packing[0], :, packing[1]].reshape(1, -1, heads * head_dim)
             hidden = hidden + engine._project(layer.self_attn.o_proj, attended)
         if executed[2 * layer_index + 1]:
             hidden = engine._mlp_item(layer_index, hidden)
-    if all_logits:
-        return engine.logits(hidden)
-    return engine.logits(hidden[:, -1])
-
-
-def _forward_packed(
-    engine: SublayerEngine,
-    token_ids: torch.Tensor,
-    starts: list[int],
-    cache: BatchKVCache,
-    executed: tuple[bool, ...],
-    widths: list[int],
-    all_logits: bool,
-) -> torch.Tensor:
-    """:func:`forward_batch` with the residual stream packed as ``(1, T, d)``, ``T = Σ q_r``:
-    every product sees the real tokens only; queries are scattered into the padded
-    ``(rows, H, q, hd)`` layout for attention and its output gathered back."""
-    rows, q_len = token_ids.shape
-    device = engine.device
-    row_of = torch.repeat_interleave(torch.arange(rows), torch.tensor(widths)).to(device)
-    step_of = torch.cat([torch.arange(w) for w in widths]).to(device)  # (T,)
-    start_tensor = torch.tensor(starts, device=device)
-    positions = start_tensor[row_of] + step_of  # (T,)
-    hidden = engine.embed_tokens(token_ids.to(device)[row_of, step_of]).unsqueeze(0)
-    cos, sin = engine.rotary_emb(hidden, positions.unsqueeze(0))
-    cache.check_room(int(positions.max()) + 1)
-    write_index = (row_of.unsqueeze(0), positions.unsqueeze(0))  # (1, T) each
-    end = max(starts) + q_len
-    visible = ragged_mask(start_tensor, q_len, end, engine.kv_groups)
-    heads, kv_heads, head_dim = engine.num_heads, engine.kv_heads, engine.head_dim
-    for layer_index, layer in enumerate(engine.layers):
-        if executed[2 * layer_index]:
-            normed = layer.input_layernorm(hidden)
-            query, key, value = engine._project_qkv(layer_index, normed, cos, sin)
-            cache.write(layer_index, write_index, key, value)
-            padded = query.new_zeros(rows, heads, q_len, head_dim)
-            padded[row_of, :, step_of] = query[0].transpose(0, 1)  # (T, H, hd) scattered
-            out = F.scaled_dot_product_attention(
-                padded.reshape(rows, kv_heads, engine.kv_groups * q_len, head_dim),
-                cache.keys(layer_index, end),
-                cache.values(layer_index, end),
-                attn_mask=visible,
-                scale=engine._scaling,
-            )
-            attended = out.reshape(rows, heads, q_len, head_dim)[row_of, :, step_of]
-            attended = attended.reshape(1, -1, heads * head_dim)  # (1, T, H * hd)
-            hidden = hidden + engine._project(layer.self_attn.o_proj, attended)
-        if executed[2 * layer_index + 1]:
-            hidden = engine._mlp_item(layer_index, hidden)
-    if not all_logits:
-        last = torch.tensor(widths, device=device).cumsum(0) - 1
+    if packing is None:
+        return engine.logits(hidden if all_logits else hidden[:, -1])
+    if not all_logits:  # each row's last real token
+        last = torch.tensor(list(widths or ()), device=device).cumsum(0) - 1
         return engine.logits(hidden[0, last])
     logits = engine.logits(hidden[0])  # (T, vocab)
     result = logits.new_zeros(rows, q_len, logits.shape[-1])
-    result[row_of, step_of] = logits
+    result[packing] = logits
     return result
 
 
