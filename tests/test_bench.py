@@ -412,3 +412,31 @@ def test_decode_phase_table_compares_each_call_past_its_prefill() -> None:
     table = decode_phase_table(RunData(Path("run"), {}, raw, [], [], []))
     rows = [line for line in table.splitlines()[2:]]
     assert rows == ["| s | 8 | m | 7.00 [7.00-7.00] | 33% | 3.00 |"]
+
+
+def test_the_lookup_oracle_share_compares_decode_phase_with_decode_phase() -> None:
+    """The lookup oracle replays the decode phase only, so KnapSpec's share of it uses
+    KnapSpec's decode-phase speedup, not its wall-time speedup (which pays the prefill)."""
+    from knapspec.bench.drafter_report import lookup_oracle_table
+
+    def call(method: str, role: str, wall: float, speedup: float | None) -> dict[str, Any]:
+        return {
+            "scenario": "s",
+            "context": 8,
+            "prompt_id": 0,
+            "method": method,
+            "role": role,
+            "wall_time": wall,
+            "prefill_seconds": 4.0,
+            "speedup_vs_ar": speedup,
+        }
+
+    raw = [
+        call("ar", "reference", 12.0, None),
+        call("knapspec", "method", 8.0, 1.5),  # decode 4 s against plain 8 s: 2.0x
+        call("ar", "reference", 12.0, None),
+    ]
+    oracle = [{"scenario": "s", "context": 8, "context_length": 9, "speedup": 2.5, "lookup": []}]
+    table = lookup_oracle_table(RunData(Path("run"), {}, raw, [], oracle, []))
+    row = table.splitlines()[2].split(" | ")
+    assert row[-3:] == ["1.50", "2.00", "80% |"]  # 2.0 / 2.5, not 1.5 / 2.5

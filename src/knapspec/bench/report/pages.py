@@ -132,10 +132,11 @@ def render(data: RunData, image_prefix: str = "") -> str:
                 "The lookup family: the first prompt's AR continuation replayed through the "
                 "lookup drafter with a fixed k (k = 1 .. D), each round priced with the measured "
                 "t_verify(drafted + 1) plus the replay's measured lookup time "
-                "(`knapspec.bench.oracle.lookup_replay`). The column *knapspec of oracle* is "
-                "its median "
+                "(`knapspec.bench.oracle.lookup_replay`), decode phase only: the prefill is "
+                "not in it. The column *knapspec of oracle* is KnapSpec's decode-phase median "
                 f"speedup over the best of both families, where that exceeds "
-                f"{ORACLE_SHARE_THRESHOLD}x.",
+                f"{ORACLE_SHARE_THRESHOLD}x (like for like; wall-time speedups also pay the "
+                "prefill).",
                 lookup_oracle_table(data),
             )
     if any(row.get("drafters") for row in data.raw):
