@@ -388,19 +388,24 @@ def test_agreement_growth_adds_the_unit_that_keeps_the_most_agreement() -> None:
         previous = chosen
 
 
+def _raw_call(method: str, role: str, wall: float, **fields: Any) -> dict[str, Any]:
+    """One ``raw.jsonl`` call of scenario ``s`` at N = 8, prompt 0, with extra ``fields``."""
+    return {
+        "scenario": "s",
+        "context": 8,
+        "prompt_id": 0,
+        "method": method,
+        "role": role,
+        "wall_time": wall,
+        **fields,
+    }
+
+
 def test_decode_phase_table_compares_each_call_past_its_prefill() -> None:
     from knapspec.bench.drafter_report import decode_phase_table
 
     def call(method: str, role: str, wall: float, prefill: float) -> dict[str, Any]:
-        return {
-            "scenario": "s",
-            "context": 8,
-            "prompt_id": 0,
-            "method": method,
-            "role": role,
-            "wall_time": wall,
-            "prefill_seconds": prefill,
-        }
+        return _raw_call(method, role, wall, prefill_seconds=prefill)
 
     raw = [
         call("ar", "reference", 10.0, 4.0),
@@ -420,16 +425,7 @@ def test_the_lookup_oracle_share_compares_decode_phase_with_decode_phase() -> No
     from knapspec.bench.drafter_report import lookup_oracle_table
 
     def call(method: str, role: str, wall: float, speedup: float | None) -> dict[str, Any]:
-        return {
-            "scenario": "s",
-            "context": 8,
-            "prompt_id": 0,
-            "method": method,
-            "role": role,
-            "wall_time": wall,
-            "prefill_seconds": 4.0,
-            "speedup_vs_ar": speedup,
-        }
+        return _raw_call(method, role, wall, prefill_seconds=4.0, speedup_vs_ar=speedup)
 
     raw = [
         call("ar", "reference", 12.0, None),
