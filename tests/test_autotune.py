@@ -19,6 +19,7 @@ from knapspec.model.autotune import (
     KernelKey,
     LinearRole,
     TuneResult,
+    choose_large,
     choose_table,
     kernel_table_path,
     linear_roles,
@@ -112,9 +113,51 @@ def test_tuning_with_an_injected_timer_keeps_f_linear_on_a_tie() -> None:
     table = result.table
     assert all(name == "f.linear" for names in table.choices.values() for name in names)
     assert [table.fused("qkv", r) for r in (1, 2, 3, 4)] == [False, False, True, True]
+    # Every shape tied at the large row counts too, so no large-product check ran.
+    assert not table.large
     assert [check.chosen for check in result.checks] == ["f.linear", "f.linear"]
     assert set(result.checks[0].seconds) == {"f.linear", "measured", "transposed"}
     assert engine.kernels == table  # the engine runs what was chosen
+
+
+def test_a_large_product_kernel_must_win_at_every_large_row_count() -> None:
+    roles = [_role("q", Q), _role("k", K), _role("gate", GATE)]
+    seconds = {"f.linear": 1.0, "onednn": 1.0}
+    timings = {
+        (role.name, rows, kernel): value
+        for role in roles
+        for rows in (64, 512)
+        for kernel, value in seconds.items()
+    }
+    timings[("q", 64, "onednn")] = timings[("q", 512, "onednn")] = 0.5  # wins at both
+    timings[("k", 64, "onednn")] = 0.5  # wins at 64 only
+    timings[("gate", 64, "onednn")] = timings[("gate", 512, "onednn")] = 0.98  # within margin
+    assert choose_large(timings, roles, (64, 512), margin=0.03) == {Q: "onednn"}
+
+
+def test_a_table_with_large_kernels_round_trips_and_runs_them_over_max_rows() -> None:
+    table = KernelTable(max_rows=2, choices={Q: ("transposed", "f.linear")}, large={Q: "onednn"})
+    again = KernelTable.from_dict(json.loads(json.dumps(table.to_dict())))
+    assert again == table and again.fingerprint() == table.fingerprint()
+    assert [table.kernel(Q, rows) for rows in (1, 2, 3, 500)] == [
+        "transposed",
+        "f.linear",
+        "onednn",
+        "onednn",
+    ]
+    assert table.kernel(K, 500) == "f.linear" and "rows 3+ onednn" in table.summary()
+    assert table.with_large({}).fingerprint() != table.fingerprint()
+    # A table with no large kernels keeps the fingerprint it had before they existed.
+    legacy = {"max_rows": 2, "choices": {"64x64": ["transposed", "f.linear"]}, "fuse": {}}
+    assert table.with_large({}).fingerprint() == _legacy_fingerprint(legacy)
+    with pytest.raises(ValueError, match="unknown kernel"):
+        KernelTable(max_rows=1, large={Q: "fastest"})
+
+
+def _legacy_fingerprint(data: dict[str, Any]) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def test_non_cpu_devices_and_other_dtypes_get_the_framework_products() -> None:
@@ -202,6 +245,7 @@ def _mixed_table(engine: SublayerEngine, seed: int) -> KernelTable:
             role.shape: tuple(names[i] for i in draw(len(names))) for role in (*separate, *fused)
         },
         fuse={group: tuple(bool(i) for i in draw(2)) for group in ("qkv", "gate_up")},
+        large={role.shape: names[draw(len(names))[0]] for role in separate},
     )
 
 
@@ -211,7 +255,7 @@ def test_any_table_gives_the_same_logits_to_rounding(family: str) -> None:
     plain = SublayerEngine(model, kernels="f.linear")
     ids = torch.randint(0, plain.vocab_size, (24,), generator=torch.Generator().manual_seed(1))
     engines = [SublayerEngine(model, kernels=_mixed_table(plain, seed)) for seed in range(3)]
-    for width in (1, 3, 4, 11, 16):
+    for width in (1, 3, 4, 11, 16, 17):  # 17: over max_rows, the large-product kernels
         outs = []
         for engine in (plain, *engines):
             cache = engine.new_cache(32)

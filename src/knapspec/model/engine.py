@@ -259,6 +259,7 @@ class SublayerEngine:
         self.small_row_linear = not table.is_plain
         self._max_rows = table.max_rows if not table.is_plain else 0
         self._dispatch: dict[tuple[int, ...], tuple[Kernel, ...]] = table.dispatch()
+        self._large: dict[tuple[int, ...], Kernel] = table.large_dispatch()
         self._fuse_qkv_rows = table.fuse_rows("qkv")
         self._fuse_gate_up_rows = table.fuse_rows("gate_up")
 
@@ -300,11 +301,15 @@ class SublayerEngine:
         """
         if type(module) is nn.Linear:
             rows = x.numel() // x.shape[-1]
+            weight = module.weight
             if rows <= self._max_rows:
-                weight = module.weight
                 kernels = self._dispatch.get(weight.shape)
                 if kernels is not None:
                     return kernels[rows](x, weight, module.bias)
+            else:
+                kernel = self._large.get(weight.shape)
+                if kernel is not None:
+                    return kernel(x, weight, module.bias)
         result: torch.Tensor = module(x)
         return result
 
@@ -329,7 +334,13 @@ class SublayerEngine:
         up = getattr(mlp, "up_proj", None)
         down = getattr(mlp, "down_proj", None)
         act = getattr(mlp, "act_fn", None)
-        if not self._max_rows or gate is None or up is None or down is None or act is None:
+        if (
+            (not self._max_rows and not self._large)
+            or gate is None
+            or up is None
+            or down is None
+            or act is None
+        ):
             result: torch.Tensor = mlp(x)
             return result
         fused = self._fused_gate_up[layer_index]

@@ -25,6 +25,7 @@ from knapspec.model.kernels import (
     Shape,
     padded_rows,
 )
+from knapspec.model.onednn import onednn_available
 
 if TYPE_CHECKING:
     from knapspec.model.engine import SublayerEngine
@@ -35,6 +36,13 @@ DEFAULT_MARGIN = 0.03
 
 #: Rows of the steps checked end to end: decode (1) to verify of the default ``D = 10``.
 DEFAULT_VALIDATE_ROWS = tuple(range(1, 12))
+
+#: Row counts standing for products over ``SMALL_ROWS`` rows (a batched verification, a
+#: prefill chunk): a kernel runs them only if it wins at each.
+LARGE_ROWS = (64, 512)
+
+#: Tokens of the whole step that checks the choice for large products (a short prefill).
+LARGE_CHECK_ROWS = 256
 
 Timer = Callable[[], float]
 #: ``(role, rows, kernel) -> seconds`` of one pass (the role summed over all layers).
@@ -104,11 +112,18 @@ def _role(name: str, modules: Sequence[nn.Module | None]) -> LinearRole | None:
     return LinearRole(name, shapes.pop(), tuple((m.weight, m.bias) for m in linears))
 
 
-def candidate_kernels(rows: int) -> tuple[str, ...]:
-    """Kernels worth timing for ``rows`` rows (padding only changes 1 and 3 rows)."""
-    names = [PLAIN_KERNEL, "transposed"]
-    if padded_rows(rows) != rows:
-        names.append("transposed-padded")
+def candidate_kernels(rows: int, *, onednn: bool | None = None) -> tuple[str, ...]:
+    """Kernels worth timing for ``rows`` rows (padding only changes 1 and 3 rows; oneDNN
+    where ``onednn``, by default where this PyTorch build has it; over :data:`SMALL_ROWS`
+    rows only ``F.linear`` and oneDNN, the transposed product being the BLAS's own at that
+    size)."""
+    names = [PLAIN_KERNEL]
+    if rows <= SMALL_ROWS:
+        names.append("transposed")
+        if padded_rows(rows) != rows:
+            names.append("transposed-padded")
+    if onednn_available() if onednn is None else onednn:
+        names.append("onednn")
     return tuple(names)
 
 
@@ -122,8 +137,10 @@ def measure_kernels(
     warmup: int = 1,
     timer: Timer = time.perf_counter,
     progress: bool | None = None,
+    onednn: bool | None = None,
 ) -> dict[tuple[str, int, str], float]:
-    """Median seconds of each role for each row count and candidate kernel.
+    """Median seconds of each role for each row count and candidate kernel
+    (:func:`candidate_kernels`; ``onednn`` as there).
 
     One pass runs one kernel over every tensor of ``separate`` in model order (layer by
     layer, then the LM head), another over every tensor of ``fused`` (the fused weights are
@@ -138,7 +155,7 @@ def measure_kernels(
     bar = tqdm(rows, desc="tuning linear kernels", unit="rows", disable=_disabled(progress))
     for index, count in enumerate(bar):
         for repeat in range(repeats + (warmup if index == 0 else 0)):
-            for kernel_name in candidate_kernels(count):
+            for kernel_name in candidate_kernels(count, onednn=onednn):
                 kernel = KERNELS[kernel_name]
                 for calls in passes:
                     totals: dict[str, float] = {}
@@ -177,6 +194,35 @@ def _model_order(
 def _disabled(progress: bool | None) -> bool | None:
     """tqdm's ``disable``: None shows the bar only on a terminal."""
     return None if progress is None else not progress
+
+
+def choose_large(
+    timings: Timings,
+    separate: Sequence[LinearRole],
+    rows: Iterable[int] = LARGE_ROWS,
+    *,
+    margin: float = DEFAULT_MARGIN,
+) -> dict[Shape, str]:
+    """Per weight shape, the kernel of products over ``SMALL_ROWS`` rows: one that beats
+    ``F.linear`` by more than ``margin`` at every row count of ``rows`` (summed over the
+    roles of that shape); shapes where none does are left out (``F.linear``)."""
+    by_shape: dict[Shape, list[str]] = {}
+    for role in separate:
+        by_shape.setdefault(role.shape, []).append(role.name)
+    rows = list(rows)
+    large: dict[Shape, str] = {}
+    for shape, names in by_shape.items():
+        winners = set()
+        for count in rows:
+            totals = {
+                kernel: sum(timings[(name, count, kernel)] for name in names)
+                for kernel in KERNELS
+                if all((name, count, kernel) in timings for name in names)
+            }
+            winners.add(_fastest(totals, margin))
+        if len(winners) == 1 and (winner := winners.pop()) != PLAIN_KERNEL:
+            large[shape] = winner
+    return large
 
 
 def choose_table(
@@ -272,6 +318,43 @@ class StepCheck:
 
 
 @torch.inference_mode()
+def validate_large(
+    engine: SublayerEngine,
+    table: KernelTable,
+    *,
+    rows: int = LARGE_CHECK_ROWS,
+    repeats: int = 2,
+    margin: float = DEFAULT_MARGIN,
+    timer: Timer = time.perf_counter,
+) -> tuple[KernelTable, StepCheck | None]:
+    """Keep ``table``'s kernels for large products only if a whole ``rows``-token forward
+    (a short prefill) with them beats the same table without them by ``margin``
+    (interleaved, medians); the check is None when ``table`` has none. The engine is left
+    running the result."""
+    if not table.large:
+        engine.use_kernels(table)
+        return table, None
+    rows = max(SMALL_ROWS + 1, min(rows, engine.max_context))
+    without = table.with_large({})
+    tables = {PLAIN_KERNEL: without, "large": table}
+    ids = torch.randint(0, engine.vocab_size, (rows,), generator=torch.Generator().manual_seed(0))
+    seconds: dict[str, list[float]] = {name: [] for name in tables}
+    for repeat in range(repeats + 1):  # the first round warms up
+        for name, candidate in tables.items():
+            engine.use_kernels(candidate)
+            cache = engine.new_cache(rows)
+            start = timer()
+            engine.forward(ids, 0, cache, all_logits=False)
+            if repeat:
+                seconds[name].append(timer() - start)
+    medians = {name: statistics.median(values) for name, values in seconds.items()}
+    chosen = "large" if medians["large"] < (1 - margin) * medians[PLAIN_KERNEL] else PLAIN_KERNEL
+    result = tables[chosen]
+    engine.use_kernels(result)
+    return result, StepCheck(rows, medians, chosen)
+
+
+@torch.inference_mode()
 def validate_table(
     engine: SublayerEngine,
     candidates: Mapping[str, KernelTable],
@@ -329,14 +412,18 @@ def validate_table(
 __all__ = [
     "DEFAULT_MARGIN",
     "DEFAULT_VALIDATE_ROWS",
+    "LARGE_CHECK_ROWS",
+    "LARGE_ROWS",
     "LinearRole",
     "StepCheck",
     "Timer",
     "Timings",
     "candidate_kernels",
+    "choose_large",
     "choose_table",
     "linear_roles",
     "measure_kernels",
     "merge_rows",
+    "validate_large",
     "validate_table",
 ]

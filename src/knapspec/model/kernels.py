@@ -6,7 +6,9 @@ CPU and its BLAS, not on the model:
 
 * ``f.linear``: ``F.linear(x, W)`` (``x @ W.T``), the model's own product;
 * ``transposed``: ``(W @ x.T).T``;
-* ``transposed-padded``: the same with 1 row padded to 2 and 3 rows to 4.
+* ``transposed-padded``: the same with 1 row padded to 2 and 3 rows to 4;
+* ``onednn``: oneDNN's inner product against a copy of ``W`` reordered once into its
+  blocked layout (:mod:`knapspec.model.onednn`; x86 builds of PyTorch).
 
 On a 2-core AMD EPYC (MKL, AVX2) ``F.linear`` re-reads ``W`` for every row of a few-row
 product (SmolLM2's ``49152 × 576`` LM head: 7.3 ms for 1 row, 22.2 ms for 3), while
@@ -33,6 +35,8 @@ from typing import Any
 import attrs
 import torch
 import torch.nn.functional as F
+
+from knapspec.model.onednn import onednn_packed
 
 #: Row counts the table covers (1 .. SMALL_ROWS): decode, draft and verify steps (``D + 1``
 #: rows at most) and the DP's small batches. Larger products always run ``F.linear``.
@@ -92,6 +96,7 @@ KERNELS: dict[str, Kernel] = {
     "f.linear": f_linear,
     "transposed": transposed,
     "transposed-padded": transposed_padded,
+    "onednn": onednn_packed,
 }
 PLAIN_KERNEL = "f.linear"
 
@@ -127,6 +132,14 @@ def _choices(value: Mapping[Any, Any]) -> dict[Shape, tuple[str, ...]]:
     return result
 
 
+def _large(value: Mapping[Any, Any]) -> dict[Shape, str]:
+    result: dict[Shape, str] = {}
+    for shape, name in value.items():
+        key = parse_shape(shape) if isinstance(shape, str) else (int(shape[0]), int(shape[1]))
+        result[key] = str(name)
+    return result
+
+
 def _fuse(value: Mapping[str, Any]) -> dict[str, tuple[bool, ...]]:
     return {str(group): tuple(bool(flag) for flag in flags) for group, flags in value.items()}
 
@@ -142,6 +155,8 @@ class KernelTable:
             not listed runs ``F.linear``.
         fuse: per fusion group (``"qkv"``, ``"gate_up"``), whether ``rows = 1 .. max_rows``
             run as one fused product. A group not listed runs separately.
+        large: per weight shape, the kernel of products over ``max_rows`` rows (a prefill,
+            a batched verification); never fused. A shape not listed runs ``F.linear``.
         source: how the table came about (``"measured"``, ``"f.linear"``: forced or not a
             float32 CPU model, ``"fixed"``: given in code).
     """
@@ -150,6 +165,7 @@ class KernelTable:
     choices: Mapping[Shape, tuple[str, ...]] = attrs.field(factory=dict, converter=_choices)
     fuse: Mapping[str, tuple[bool, ...]] = attrs.field(factory=dict, converter=_fuse)
     source: str = "fixed"
+    large: Mapping[Shape, str] = attrs.field(factory=dict, converter=_large)
 
     def __attrs_post_init__(self) -> None:
         if self.max_rows < 0:
@@ -166,6 +182,11 @@ class KernelTable:
                     f"unknown kernel(s) {unknown} for shape {shape_name(shape)}; "
                     f"known: {sorted(KERNELS)}"
                 )
+        unknown = sorted(set(self.large.values()) - set(KERNELS))
+        if unknown:
+            raise ValueError(
+                f"unknown kernel(s) {unknown} for large products; known: {sorted(KERNELS)}"
+            )
         for group, flags in self.fuse.items():
             if group not in FUSION_GROUPS or len(flags) != self.max_rows:
                 raise ValueError(
@@ -193,14 +214,18 @@ class KernelTable:
     @property
     def is_plain(self) -> bool:
         """True when every product runs ``F.linear`` unfused (the model's own arithmetic)."""
-        return all(name == PLAIN_KERNEL for names in self.choices.values() for name in names) and (
-            not any(flag for flags in self.fuse.values() for flag in flags)
+        return (
+            all(name == PLAIN_KERNEL for names in self.choices.values() for name in names)
+            and not any(flag for flags in self.fuse.values() for flag in flags)
+            and all(name == PLAIN_KERNEL for name in self.large.values())
         )
 
     def kernel(self, shape: Shape, rows: int) -> str:
         """The kernel name for a product of ``rows`` rows with a ``shape`` weight."""
+        if rows > self.max_rows:
+            return self.large.get(shape, PLAIN_KERNEL)
         names = self.choices.get(shape)
-        if names is None or not 1 <= rows <= self.max_rows:
+        if names is None or rows < 1:
             return PLAIN_KERNEL
         return names[rows - 1]
 
@@ -217,6 +242,11 @@ class KernelTable:
             for shape, names in self.choices.items()
         }
 
+    def large_dispatch(self) -> dict[tuple[int, ...], Kernel]:
+        """Per shape with a kernel other than ``F.linear``, the kernel of products over
+        ``max_rows`` rows."""
+        return {shape: KERNELS[name] for shape, name in self.large.items() if name != PLAIN_KERNEL}
+
     def fuse_rows(self, group: str) -> tuple[bool, ...]:
         """``fused(group, rows)`` indexed by ``rows`` (index 0 unused), for the hot path."""
         return (False, *(self.fused(group, rows) for rows in range(1, self.max_rows + 1)))
@@ -225,12 +255,17 @@ class KernelTable:
         """The same kernels with no fusion."""
         return attrs.evolve(self, fuse={})
 
+    def with_large(self, large: Mapping[Shape, str]) -> KernelTable:
+        """The same few-row choices with ``large`` for products over ``max_rows`` rows."""
+        return attrs.evolve(self, large=large)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: shapes as ``"outxin"`` keys."""
         return {
             "max_rows": self.max_rows,
             "choices": {shape_name(s): list(n) for s, n in sorted(self.choices.items())},
             "fuse": {group: list(flags) for group, flags in sorted(self.fuse.items())},
+            "large": {shape_name(s): name for s, name in sorted(self.large.items())},
             "source": self.source,
         }
 
@@ -242,6 +277,7 @@ class KernelTable:
             choices=data["choices"],
             fuse=data["fuse"],
             source=str(data.get("source", "fixed")),
+            large=data.get("large", {}),
         )
 
     def fingerprint(self) -> str:
@@ -253,6 +289,8 @@ class KernelTable:
             return PLAIN_KERNEL
         data = self.to_dict()
         del data["source"]
+        if not data["large"]:  # tables from before ``large`` keep their fingerprints
+            del data["large"]
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
     def summary(self) -> str:
@@ -262,6 +300,8 @@ class KernelTable:
             lines.append(f"{shape_name(shape)}: {_runs(names)}")
         for group, flags in sorted(self.fuse.items()):
             lines.append(f"{group}: {_runs(tuple('fused' if f else 'separate' for f in flags))}")
+        for shape, name in sorted(self.large.items()):
+            lines.append(f"{shape_name(shape)}: rows {self.max_rows + 1}+ {name}")
         return "\n".join(lines) if lines else "f.linear everywhere, no fusion"
 
 
