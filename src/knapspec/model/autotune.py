@@ -30,7 +30,7 @@ choice (``$KNAPSPEC_KERNELS``).
 
 :func:`load_or_tune` caches the table under ``cache_root()/kernels/``, keyed by
 :class:`KernelKey` (CPU model and flags, BLAS, torch version, threads, dtype, the model's
-linear shapes): the first engine on a machine pays the measurement (about 10 s for
+linear shapes): the first engine on a machine pays the measurement (about 20 s for
 SmolLM2-135M on a 2-core CPU, with a progress bar), later ones read a file.
 """
 

@@ -161,10 +161,13 @@ class SublayerEngine:
     Args:
         model: a loaded ``PreTrainedModel`` of a supported family, in eval mode. Device and
             dtype are read from its parameters.
-        kernels: which kernel runs each few-row product (decode, draft, verify):
-            ``"auto"`` measures the candidates on this machine once and caches the table
-            (:mod:`knapspec.model.autotune`; about 10 s for SmolLM2-135M on a 2-core CPU
-            the first time, a file read afterwards); ``"f.linear"`` runs every projection
+        kernels: which kernel runs each linear product (decode, draft, verify, and per
+            shape those over 16 rows: prefill, batched verification): ``"auto"`` measures
+            the candidates (``F.linear``, the transposed products, oneDNN's packed product
+            where the build has it and its weight copies fit in a quarter of the memory)
+            on this machine once and caches the table (:mod:`knapspec.model.autotune`;
+            about 20 s for SmolLM2-135M on a 2-core CPU the first time, a file read
+            afterwards); ``"f.linear"`` runs every projection
             as the model's own module; ``"transposed"`` is engine revision r3's fixed
             choice; or a :class:`~knapspec.model.kernels.KernelTable`. None reads
             ``$KNAPSPEC_KERNELS``, else ``"auto"``. A model on a non-CPU device or in a
