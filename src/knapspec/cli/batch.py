@@ -2,10 +2,13 @@
 
 The prompts file holds one JSON value per line: a string (the prompt) or an object with a
 ``"prompt"`` string and an optional ``"id"`` (any JSON value, copied to the output). Blank
-lines are skipped. Prompts are decoded ``B`` at a time (:meth:`SpeculativeDecoder.generate`
-with a list of sequences); each result is one JSON line ``{"index", "id", "completion",
-"stop_reason", "prompt_tokens", "new_tokens", "drafted_tokens", "accepted_tokens"}`` on
-stdout (or ``--output``), in input order, and a summary per batch goes to stderr.
+lines are skipped. Prompts are decoded ``B`` at a time with continuous batching
+(:meth:`SpeculativeDecoder.generate_batch` with ``max_batch_rows=B``: a finished row's
+slot goes to the next prompt at once), in waves of :data:`WAVE_BATCHES` ``× B`` prompts so
+that results appear as the file is worked through. Each result is one JSON line
+``{"index", "id", "completion", "stop_reason", "prompt_tokens", "new_tokens",
+"drafted_tokens", "accepted_tokens"}`` on stdout (or ``--output``), in input order, and a
+summary per wave goes to stderr.
 
 Like the rest of :mod:`knapspec.cli`, it imports only the standard library at the top.
 """
@@ -28,6 +31,11 @@ if TYPE_CHECKING:
 
     from knapspec.config import DecoderConfig
     from knapspec.decoding.decoder import SpeculativeDecoder
+
+
+#: Prompts per ``generate_batch`` call, in units of the batch size: more keeps every slot
+#: busy for longer (a wave still ends with its slowest rows), fewer writes results sooner.
+WAVE_BATCHES = 8
 
 
 def generate_prompts_file(args: argparse.Namespace, config: DecoderConfig) -> int:
@@ -97,15 +105,20 @@ def generate_file(
     max_new_tokens: int,
     output: Path | None,
 ) -> None:
-    """Decode ``prompts`` ``batch_size`` at a time and write one JSON line per prompt."""
+    """Decode ``prompts`` ``batch_size`` rows at a time (continuously batched, in waves of
+    :data:`WAVE_BATCHES` batches) and write one JSON line per prompt, in input order."""
     stream = output.open("w", encoding="utf-8") if output is not None else sys.stdout
+    wave = batch_size * WAVE_BATCHES
     try:
-        for first in range(0, len(prompts), batch_size):
-            chunk = prompts[first : first + batch_size]
+        for first in range(0, len(prompts), wave):
+            chunk = prompts[first : first + wave]
             ids = [encode(text) for _, text in chunk]
             started = time.perf_counter()
-            result = decoder.generate(
-                ids, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id
+            result = decoder.generate_batch(
+                ids,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=tokenizer.eos_token_id,
+                max_batch_rows=batch_size,
             )
             seconds = time.perf_counter() - started
             for offset, ((key, _), stats) in enumerate(zip(chunk, result.stats, strict=True)):
@@ -125,7 +138,8 @@ def generate_file(
             stream.flush()
             print(
                 f"prompts {first}-{first + len(chunk) - 1}: {result.new_tokens} new tokens in "
-                f"{seconds:.2f} s ({result.new_tokens / seconds:.1f} tokens/s over the batch)",
+                f"{seconds:.2f} s ({result.new_tokens / seconds:.1f} tokens/s over the batch, "
+                f"{min(batch_size, len(chunk))} rows at a time)",
                 file=sys.stderr,
             )
     finally:
@@ -133,4 +147,4 @@ def generate_file(
             stream.close()
 
 
-__all__ = ["generate_file", "generate_prompts_file", "read_prompts"]
+__all__ = ["WAVE_BATCHES", "generate_file", "generate_prompts_file", "read_prompts"]

@@ -9,6 +9,7 @@ from typing import Any
 import attrs
 import torch
 
+from knapspec.model.engine import ContextLengthError
 from knapspec.sampling import SamplingParams
 
 
@@ -61,6 +62,87 @@ def new_token_limit(max_new_tokens: object) -> int:
     return limit
 
 
+def batch_rows_limit(max_batch_rows: object) -> int | None:
+    """``max_batch_rows`` checked: None, or an integer (numpy integers too) >= 1."""
+    if max_batch_rows is None:
+        return None
+    if not isinstance(max_batch_rows, numbers.Integral) or isinstance(max_batch_rows, bool):
+        raise TypeError(
+            f"max_batch_rows must be an integer or None, got {type(max_batch_rows).__name__} "
+            f"{max_batch_rows!r}"
+        )
+    if int(max_batch_rows) < 1:
+        raise ValueError(f"max_batch_rows must be >= 1, got {int(max_batch_rows)}")
+    return int(max_batch_rows)
+
+
+def batch_prompts(
+    input_ids: torch.Tensor | Sequence[Sequence[int] | torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    vocab_size: int,
+) -> list[torch.Tensor]:
+    """The rows of a batch as 1-D ``long`` tensors, padding removed.
+
+    Args:
+        input_ids: ``(B, n)`` left-padded ids, or a list of ``B`` token sequences.
+        attention_mask: ``(B, n)`` 1 for tokens, 0 for (left) padding; only with a tensor.
+
+    Raises:
+        ValueError: naming the row: a mask of another shape, padding that is not on the
+            left, an empty row, ids out of ``[0, vocab_size)``.
+    """
+    rows: list[torch.Tensor] = []
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() != 2:
+            raise ValueError(f"batched input_ids must be (B, n), got {tuple(input_ids.shape)}")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        mask = torch.as_tensor(attention_mask)
+        if tuple(mask.shape) != tuple(input_ids.shape):
+            raise ValueError(
+                f"attention_mask has shape {tuple(mask.shape)} but input_ids has "
+                f"{tuple(input_ids.shape)}; they must match"
+            )
+        for row in range(input_ids.shape[0]):
+            keep = mask[row].bool()
+            count = int(keep.sum())
+            if count and not bool(keep[-count:].all()):
+                raise ValueError(
+                    f"row {row}: attention_mask must be left padding (zeros, then ones); "
+                    "pad on the left or pass a list of sequences"
+                )
+            rows.append(input_ids[row, keep])
+    else:
+        if attention_mask is not None:
+            raise ValueError("attention_mask is only for a (B, n) tensor; a list has no padding")
+        rows = [torch.as_tensor(row) for row in input_ids]
+    if not rows:
+        raise ValueError("the batch is empty: give at least one prompt")
+    checked = []
+    for row, ids in enumerate(rows):
+        if ids.dim() != 1:
+            raise ValueError(f"row {row}: a prompt must be 1-D token ids, got {tuple(ids.shape)}")
+        if ids.numel() == 0:
+            raise ValueError(f"row {row}: the prompt is empty: give at least one token")
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"row {row}: token ids must be integers, got dtype {ids.dtype}")
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+            raise ValueError(f"row {row}: token ids must be in [0, {vocab_size})")
+        checked.append(ids.to(torch.long).cpu())
+    return checked
+
+
+def check_batch_context(prompts: list[torch.Tensor], limit: int, max_context: int) -> None:
+    """Raise :class:`ContextLengthError` naming the first row whose prompt + ``limit`` new
+    tokens exceed ``max_context``."""
+    for row, prompt in enumerate(prompts):
+        if prompt.numel() + limit > max_context:
+            raise ContextLengthError(
+                f"row {row}: {prompt.numel()} prompt tokens + max_new_tokens {limit} exceed "
+                f"the model's context of {max_context} tokens"
+            )
+
+
 def is_batch(input_ids: object) -> bool:
     """Whether ``input_ids`` is a list of token sequences (not a flat list of ids)."""
     if isinstance(input_ids, torch.Tensor) or not isinstance(input_ids, Sequence):
@@ -99,4 +181,13 @@ def row_generators(
     return generators
 
 
-__all__ = ["is_batch", "new_token_limit", "row_generators", "sampling_params", "stop_set"]
+__all__ = [
+    "batch_prompts",
+    "batch_rows_limit",
+    "check_batch_context",
+    "is_batch",
+    "new_token_limit",
+    "row_generators",
+    "sampling_params",
+    "stop_set",
+]

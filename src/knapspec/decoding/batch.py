@@ -21,7 +21,10 @@ verification overwrites them.
 Rows that stop (EOS or ``max_new_tokens``) leave the batch: the cache packs the remaining
 rows to the front and later steps compute only those. Each row's prefill runs alone
 through the engine's single-sequence path (compute-bound, so batching it gains nothing),
-and its K/V is copied into the batch cache.
+and its K/V is copied into the batch cache. With fewer slots than prompts
+(``generate_batch(..., max_batch_rows=S)``) the rest wait in input order and a finished
+row's slot goes to the next one, prefilled between two rounds (continuous batching), so
+a batch does not idle behind its slowest row while prompts wait.
 
 Greedy rows equal their prompt decoded alone; sampled rows use their own generator and
 lossless rejection sampling, so each is distributed as the target.
@@ -30,12 +33,14 @@ lossless rejection sampling, so each is distributed as the target.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
+from knapspec.decoding.arguments import batch_prompts
 from knapspec.decoding.batch_policy import BatchDraftPolicy, BatchSubnetwork, RoundPlan
 from knapspec.decoding.run import PREFILL_WINDOW_TOKENS
 from knapspec.decoding.stats import GenerationStats
@@ -98,62 +103,6 @@ class BatchGenerationResult:
         return out
 
 
-def batch_prompts(
-    input_ids: torch.Tensor | Sequence[Sequence[int] | torch.Tensor],
-    attention_mask: torch.Tensor | None,
-    vocab_size: int,
-) -> list[torch.Tensor]:
-    """The rows of a batch as 1-D ``long`` tensors, padding removed.
-
-    Args:
-        input_ids: ``(B, n)`` left-padded ids, or a list of ``B`` token sequences.
-        attention_mask: ``(B, n)`` 1 for tokens, 0 for (left) padding; only with a tensor.
-
-    Raises:
-        ValueError: naming the row: a mask of another shape, padding that is not on the
-            left, an empty row, ids out of ``[0, vocab_size)``.
-    """
-    rows: list[torch.Tensor] = []
-    if isinstance(input_ids, torch.Tensor):
-        if input_ids.dim() != 2:
-            raise ValueError(f"batched input_ids must be (B, n), got {tuple(input_ids.shape)}")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        mask = torch.as_tensor(attention_mask)
-        if tuple(mask.shape) != tuple(input_ids.shape):
-            raise ValueError(
-                f"attention_mask has shape {tuple(mask.shape)} but input_ids has "
-                f"{tuple(input_ids.shape)}; they must match"
-            )
-        for row in range(input_ids.shape[0]):
-            keep = mask[row].bool()
-            count = int(keep.sum())
-            if count and not bool(keep[-count:].all()):
-                raise ValueError(
-                    f"row {row}: attention_mask must be left padding (zeros, then ones); "
-                    "pad on the left or pass a list of sequences"
-                )
-            rows.append(input_ids[row, keep])
-    else:
-        if attention_mask is not None:
-            raise ValueError("attention_mask is only for a (B, n) tensor; a list has no padding")
-        rows = [torch.as_tensor(row) for row in input_ids]
-    if not rows:
-        raise ValueError("the batch is empty: give at least one prompt")
-    checked = []
-    for row, ids in enumerate(rows):
-        if ids.dim() != 1:
-            raise ValueError(f"row {row}: a prompt must be 1-D token ids, got {tuple(ids.shape)}")
-        if ids.numel() == 0:
-            raise ValueError(f"row {row}: the prompt is empty: give at least one token")
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"row {row}: token ids must be integers, got dtype {ids.dtype}")
-        if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-            raise ValueError(f"row {row}: token ids must be in [0, {vocab_size})")
-        checked.append(ids.to(torch.long).cpu())
-    return checked
-
-
 class BatchRun:
     """State of one batched ``generate`` call (rebuilt per call: an exception leaves the
     decoder usable).
@@ -168,6 +117,10 @@ class BatchRun:
         plan_subnetwork: chooses the sub-network on the first row (None: lookup only).
         capture_points: the first row's prefill records the item points (the planner
             reads them as its reference window).
+        slots: rows decoded at once (None: all). With fewer slots than prompts the rest
+            wait in input order, and each row that finishes hands its slot to the next
+            prompt, prefilled between two rounds (continuous batching): the batch never
+            idles behind its slowest row while prompts wait.
     """
 
     def __init__(
@@ -185,6 +138,7 @@ class BatchRun:
         generators: list[torch.Generator | None],
         plan_subnetwork: SubnetworkPlanner | None = None,
         capture_points: bool = False,
+        slots: int | None = None,
     ) -> None:
         self.engine = engine
         self.scratch = scratch
@@ -199,6 +153,7 @@ class BatchRun:
         self.capture_points = capture_points
         self.subnetwork: BatchSubnetwork | None = None
         count = len(prompts)
+        self.slots = count if slots is None else max(1, min(slots, count))
         self.drafters = [
             LookupDrafter(lookup.config if lookup is not None else None) for _ in range(count)
         ]
@@ -235,40 +190,19 @@ class BatchRun:
         engine, prompts = self.engine, self.prompts
         start_time = self._now()
         capacity = max(p.numel() for p in prompts) + self.max_new_tokens + self.max_draft_length
-        cache = new_batch_cache(engine, len(prompts), capacity)
+        cache = new_batch_cache(engine, self.slots, capacity)
+        cache.keep([])  # no active row yet: each prompt enters through _admit
         self.policy.reset(len(prompts))
         self.policy.use_subnetwork(None)
-        pending: list[int] = []
-        for row, prompt in enumerate(prompts):
-            started = self._now()
-            self.scratch.reset()
-            planning = row == 0 and self.plan_subnetwork is not None
-            capture = planning and self.capture_points
-            out = engine.forward(
-                prompt,
-                0,
-                self.scratch,
-                all_logits=False,
-                capture_points=capture,
-                capture_last=min(PREFILL_WINDOW_TOKENS, prompt.numel()) if capture else None,
-            )
-            check_finite(out.logits, f"prefill of row {row}")
-            cache.load_row(row, self.scratch, prompt.numel())
-            token = self._choose(row, out.logits[-1])
-            pending.append(token)
-            self._commit(row, [token])
-            self.drafters[row].reset([*prompt.tolist(), token])
-            self.stats[row].prefill_time_s = self._now() - started
-            if planning and self.plan_subnetwork is not None:
-                # The scratch cache still holds this row's prefill: the planner reads it.
-                plan_start = self._now()
-                self.subnetwork = self.plan_subnetwork(prompt, self.scratch, out)
-                self.policy.use_subnetwork(self.subnetwork)
-                self.stats[row].plan_time_s += self._now() - plan_start
-        active = list(range(len(prompts)))  # batch rows, in cache order
+        pending = [0] * len(prompts)  # per row, its last token (no K/V yet)
+        waiting = deque(range(len(prompts)))
+        active: list[int] = []  # batch rows, in cache order
         lengths = [p.numel() for p in prompts]  # committed tokens with K/V cached
         while True:
             self._retire(active, cache, start_time)
+            if waiting and len(active) < self.slots:
+                self._admit(waiting.popleft(), cache, active, pending)
+                continue  # a row may stop on its first token: retire before the next
             if not active:
                 break
             self._round(active, cache, pending, lengths)
@@ -278,6 +212,37 @@ class BatchRun:
         tokens = [torch.tensor(out, dtype=torch.long) for out in self.outputs]
         sequences = [torch.cat([p, t]).unsqueeze(0) for p, t in zip(prompts, tokens, strict=True)]
         return BatchGenerationResult(tokens, sequences, self.stats, wall)
+
+    def _admit(self, row: int, cache: BatchKVCache, active: list[int], pending: list[int]) -> None:
+        """Prefill ``row``'s prompt alone, move its K/V into a free slot of ``cache`` and
+        commit its first token; the first row admitted also plans the sub-network."""
+        engine, prompt = self.engine, self.prompts[row]
+        started = self._now()
+        self.scratch.reset()
+        planning = row == 0 and self.plan_subnetwork is not None
+        capture = planning and self.capture_points
+        out = engine.forward(
+            prompt,
+            0,
+            self.scratch,
+            all_logits=False,
+            capture_points=capture,
+            capture_last=min(PREFILL_WINDOW_TOKENS, prompt.numel()) if capture else None,
+        )
+        check_finite(out.logits, f"prefill of row {row}")
+        cache.append_row(self.scratch, prompt.numel())
+        active.append(row)
+        token = self._choose(row, out.logits[-1])
+        pending[row] = token
+        self._commit(row, [token])
+        self.drafters[row].reset([*prompt.tolist(), token])
+        self.stats[row].prefill_time_s = self._now() - started
+        if planning and self.plan_subnetwork is not None:
+            # The scratch cache still holds this row's prefill: the planner reads it.
+            plan_start = self._now()
+            self.subnetwork = self.plan_subnetwork(prompt, self.scratch, out)
+            self.policy.use_subnetwork(self.subnetwork)
+            self.stats[row].plan_time_s += self._now() - plan_start
 
     def _retire(self, active: list[int], cache: BatchKVCache, start_time: float) -> None:
         """Drop rows that stopped; pack the cache onto the rows still running."""
@@ -289,8 +254,7 @@ class BatchRun:
             if self.stats[row].stop_reason:
                 self.stats[row].wall_time_s = now - start_time
         active[:] = [active[slot] for slot in keep]
-        if active:
-            cache.keep(keep)
+        cache.keep(keep)
 
     def _round(
         self, active: list[int], cache: BatchKVCache, pending: list[int], lengths: list[int]

@@ -27,6 +27,9 @@ from torch import nn
 from knapspec.config import DecoderConfig, as_decoder_config, build_components, build_drafters
 from knapspec.costmodels.base import CostModel
 from knapspec.decoding.arguments import (
+    batch_prompts,
+    batch_rows_limit,
+    check_batch_context,
     is_batch,
     new_token_limit,
     row_generators,
@@ -37,7 +40,6 @@ from knapspec.decoding.batch import (
     BatchGenerationResult,
     BatchRun,
     SubnetworkPlanner,
-    batch_prompts,
 )
 from knapspec.decoding.batch_policy import (
     BatchDraftPolicy,
@@ -285,6 +287,7 @@ class SpeculativeDecoder:
         sampling: SamplingParams | Mapping[str, Any] | None = None,
         seeds: Sequence[int] | None = None,
         policy: BatchDraftPolicy | None = None,
+        max_batch_rows: int | None = None,
     ) -> BatchGenerationResult:
         """Generate for several prompts at once (:mod:`knapspec.decoding.batch`).
 
@@ -302,26 +305,22 @@ class SpeculativeDecoder:
             max_new_tokens, eos_token_id, sampling: as :meth:`generate`, for every row.
             seeds: per row, the seed of its sampling generator (default: ``sampling.seed
                 + row``, or drawn from torch's global RNG when no seed is set).
-            policy: each row's draft length and drafter per round (default: the
-                batch-level TPT search
-                :class:`~knapspec.decoding.batch_policy.CostModelBatchPolicy` when a cost
-                model exists, over lookup drafts if the planner prices them and the
-                planner's sub-network if it chose one; else plain batched decoding).
+            policy: each row's draft length and drafter per round (default: the batch
+                TPT search :class:`~knapspec.decoding.batch_policy.CostModelBatchPolicy`
+                when a cost model exists, over lookup drafts if the planner prices them
+                and its sub-network if it chose one; else plain batched decoding).
+            max_batch_rows: rows decoded at once (None: every prompt). With fewer, the
+                other prompts wait in order and each finished row's slot goes to the next
+                (continuous batching); results stay in input order.
 
         Raises:
             ValueError: naming the row: mask shape, right padding, an empty row, ids out
-                of range; ``max_new_tokens < 1``.
-            ContextLengthError: naming the row whose prompt + ``max_new_tokens`` exceeds
-                the model's context.
+                of range; ``max_new_tokens < 1``, ``max_batch_rows < 1``.
+            ContextLengthError: naming the row whose prompt + ``max_new_tokens`` is too long.
         """
         prompts = batch_prompts(input_ids, attention_mask, self.engine.vocab_size)
-        limit = new_token_limit(max_new_tokens)
-        for row, prompt in enumerate(prompts):
-            if prompt.numel() + limit > self.engine.max_context:
-                raise ContextLengthError(
-                    f"row {row}: {prompt.numel()} prompt tokens + max_new_tokens {limit} exceed "
-                    f"the model's context of {self.engine.max_context} tokens"
-                )
+        limit, slots = new_token_limit(max_new_tokens), batch_rows_limit(max_batch_rows)
+        check_batch_context(prompts, limit, self.engine.max_context)
         params = sampling_params(sampling) if sampling is not None else self.sampling
         stop_ids = stop_set(eos_token_id)
         generators = row_generators(params, len(prompts), seeds, self.engine.device)
@@ -356,6 +355,7 @@ class SpeculativeDecoder:
                 generators=generators,
                 plan_subnetwork=self._batch_subnetwork_planner(params, limit),
                 capture_points=self.planner.uses_window,
+                slots=slots,
             )
             return run.execute()
 

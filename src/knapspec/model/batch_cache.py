@@ -49,6 +49,8 @@ class BatchKVCache:
                 f"a batch cache needs rows >= 1 and capacity >= 1, got {rows}, {capacity}"
             )
         shape = (rows, kv_heads, capacity, head_dim)
+        #: Rows the buffers hold (active or free).
+        self.slots = rows
         self.num_layers = num_layers
         self.capacity = capacity
         self.device = device
@@ -71,6 +73,17 @@ class BatchKVCache:
             self._keys[layer][row, :, :length].copy_(cache.keys(layer, length))
             self._values[layer][row, :, :length].copy_(cache.values(layer, length))
         self.lengths[row] = length
+
+    def append_row(self, cache: KVCache, length: int) -> int:
+        """Make a new active row, after the others, from the first ``length`` tokens of a
+        single-sequence ``cache``; returns its slot. Raises ValueError when every slot is
+        taken (a finished row frees its slot through :meth:`keep`)."""
+        slot = self.rows
+        if slot >= self.slots:
+            raise ValueError(f"the batch cache has no free row: all {slot} are active")
+        self.lengths.append(0)
+        self.load_row(slot, cache, length)
+        return slot
 
     def write(
         self,
