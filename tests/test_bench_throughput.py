@@ -140,6 +140,34 @@ def test_throughput_ratios_divide_each_call_by_its_own_round() -> None:
     assert "| throughput | 2048 | 4 | knapspec | 100 |" in throughput_table(data)
 
 
+def test_the_decode_phase_ratio_divides_each_round_after_its_prefills() -> None:
+    def timed(method: str, pair: int, seconds: float, prefill: float | None) -> dict[str, Any]:
+        call = _call(method, pair, 100 / seconds)
+        return {**call, "seconds": seconds, "prefill_seconds": prefill}
+
+    calls = [
+        timed("generate", 0, 40.0, None),
+        timed("ar", 0, 24.0, 15.0),  # decode 9 s
+        timed("knapspec", 0, 21.0, 15.0),  # decode 6 s: 1.5x
+        timed("ar", 1, 25.0, 15.0),  # decode 10 s
+        timed("knapspec", 1, 23.0, 15.0),  # decode 8 s: 1.25x
+    ]
+    data = RunData(Path("run"), {}, [], [], [], [], calls)
+    rows = {row.method: row for row in summarise_throughput(data)}
+    decode = rows["knapspec"].decode_vs_plain
+    assert decode is not None and (decode.low, decode.high) == pytest.approx((1.25, 1.5))
+    share = rows["ar"].prefill_share
+    assert share is not None and share.median == pytest.approx((15 / 24 + 15 / 25) / 2)
+    assert rows["generate"].decode_vs_plain is None and rows["ar"].decode_vs_plain is None
+    table = throughput_table(data)
+    assert "1.38 [1.25-1.50]" in table and "61 %" in table
+    # Records from before prefills were timed: no decode-phase figures, no error.
+    old = RunData(
+        Path("run"), {}, [], [], [], [], [_call("ar", 0, 10.0), _call("knapspec", 0, 12.0)]
+    )
+    assert {row.decode_vs_plain for row in summarise_throughput(old)} == {None}
+
+
 class _CorruptingBatchDecoder:
     """A real decoder whose batched output has one token of its last row changed."""
 

@@ -51,12 +51,15 @@ class BatchCall:
         rows: per row, its new tokens up to and including its first EOS.
         seconds: the whole call (prefill included).
         drafted_tokens, accepted_tokens: over all rows (0 for ``model.generate``).
+        prefill_seconds: the rows' prefills, summed (None for ``model.generate``, whose
+            prefill is not timed apart).
     """
 
     rows: list[list[int]]
     seconds: float
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    prefill_seconds: float | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -147,6 +150,7 @@ def engine_generate_batch(
         seconds,
         drafted_tokens=sum(s.drafted_tokens for s in stats),
         accepted_tokens=sum(s.accepted_tokens for s in stats),
+        prefill_seconds=sum(s.prefill_time_s for s in stats),
     )
 
 
@@ -165,6 +169,8 @@ class ThroughputRecord:
         lossless: every row equal to the reference's (always True for engine methods, whose
             difference stops the run; None for ``model.generate``, which is only counted).
         drafted_tokens, accepted_tokens: over all rows.
+        prefill_seconds: the rows' prefills, summed (None for ``model.generate``); the
+            rest of ``seconds`` is the decode phase.
     """
 
     scenario: str
@@ -183,6 +189,7 @@ class ThroughputRecord:
     lossless: bool | None
     drafted_tokens: int
     accepted_tokens: int
+    prefill_seconds: float | None = None
 
     def to_json(self, extra: dict[str, Any]) -> str:
         """One JSON line; ``extra`` (run name, environment) is merged in."""
@@ -281,6 +288,7 @@ def run_throughput(harness: Harness, scenario: Scenario, context: int) -> None:
                     lossless=lossless,
                     drafted_tokens=result.drafted_tokens,
                     accepted_tokens=result.accepted_tokens,
+                    prefill_seconds=result.prefill_seconds,
                 )
                 append_jsonl(harness.run_dir / THROUGHPUT, record.to_json(harness._extra()))
 

@@ -3,7 +3,11 @@
 Per (scenario, N, B, method): the median [min-max] tokens/s over the pair rounds (new
 tokens over all rows per second, prefill included), and per round the ratio of the
 method's tokens/s to ``model.generate``'s and to our batched plain decoding's (``ar``) in
-the same round, median [min-max]. ``rows = ar`` counts the rows identical to plain
+the same round, median [min-max]. Where the records time the rows' prefills (engine
+methods, from this revision on), the table also gives the plain prefill's share of the
+call and the decode phase's ratio to ``ar``'s (its seconds after the prefills, the same
+tokens): what speculation gains where it acts, which a prefill-bound wall time hides.
+``rows = ar`` counts the rows identical to plain
 decoding's over all rounds (engine methods must match every row, or the run fails).
 """
 
@@ -37,6 +41,25 @@ class ThroughputRow:
     rows: int
     drafted_tokens: int
     accepted_tokens: int
+    prefill_share: Spread | None = None
+    decode_vs_plain: Spread | None = None
+
+
+def _decode_seconds(call: dict[str, Any]) -> float | None:
+    prefill = call.get("prefill_seconds")
+    return None if prefill is None else call["seconds"] - prefill
+
+
+def _decode_ratios(mine: Sequence[dict[str, Any]], plain: dict[int, dict[str, Any]]) -> list[float]:
+    """Per round, ``ar``'s decode-phase seconds over ``mine``'s (both timed)."""
+    ratios = []
+    for call in mine:
+        reference = plain.get(call["pair"])
+        theirs = _decode_seconds(reference) if reference is not None else None
+        ours = _decode_seconds(call)
+        if theirs is not None and ours is not None and ours > 0:
+            ratios.append(theirs / ours)
+    return ratios
 
 
 def _ratios(mine: Sequence[dict[str, Any]], baseline: dict[int, float]) -> Iterable[float]:
@@ -63,6 +86,7 @@ def summarise_throughput(data: RunData) -> list[ThroughputRow]:
             by_method[call["method"]].append(call)
 
         generate, plain = _per_pair(by_method, GENERATE), _per_pair(by_method, REFERENCE)
+        plain_calls = {call["pair"]: call for call in by_method.get(REFERENCE, [])}
         for method in data.methods():
             mine = by_method.get(method)
             if not mine:
@@ -83,6 +107,16 @@ def summarise_throughput(data: RunData) -> list[ThroughputRow]:
                     rows=sum(c["batch_size"] for c in mine),
                     drafted_tokens=sum(c["drafted_tokens"] for c in mine),
                     accepted_tokens=sum(c["accepted_tokens"] for c in mine),
+                    prefill_share=Spread.of(
+                        c["prefill_seconds"] / c["seconds"]
+                        for c in mine
+                        if c.get("prefill_seconds") is not None and c["seconds"] > 0
+                    )
+                    if method == REFERENCE
+                    else None,
+                    decode_vs_plain=None
+                    if method == REFERENCE
+                    else Spread.of(_decode_ratios(mine, plain_calls)),
                 )
             )
     return result
@@ -100,6 +134,8 @@ def throughput_table(data: RunData) -> str:
         "tok/s",
         "vs model.generate",
         "vs plain batch (ar)",
+        "decode phase vs ar",
+        "prefill share (ar)",
         "rows = ar",
         "drafted / accepted",
     ]
@@ -118,11 +154,17 @@ def throughput_table(data: RunData) -> str:
             spread(row.tokens_per_second),
             spread(row.vs_generate),
             spread(row.vs_plain),
+            spread(row.decode_vs_plain),
+            _share(row.prefill_share),
             f"{row.rows_equal}/{row.rows}",
             f"{row.drafted_tokens} / {row.accepted_tokens}" if row.method != GENERATE else "–",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _share(value: Spread | None) -> str:
+    return f"{100 * value.median:.0f} %" if value is not None else "–"
 
 
 __all__ = ["ThroughputRow", "summarise_throughput", "throughput_table"]
