@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tests.tiny_models import tiny_model
 
 from knapspec.model.engine import SublayerEngine
-from knapspec.model.kernels import SMALL_ROWS, linear, padded_rows
+from knapspec.model.kernels import Kernel, linear, padded_rows
 from knapspec.model.onednn import (
     onednn_available,
     onednn_packed,
@@ -22,32 +22,7 @@ from knapspec.model.onednn import (
 )
 from knapspec.testing import examples
 
-
-@settings(max_examples=examples(60), deadline=None)
-@given(
-    rows=st.integers(1, SMALL_ROWS + 4),
-    lead=st.sampled_from([(), (1,), (2,)]),
-    in_features=st.integers(1, 48),
-    out_features=st.integers(1, 64),
-    bias=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
-def test_linear_matches_f_linear(
-    rows: int,
-    lead: tuple[int, ...],
-    in_features: int,
-    out_features: int,
-    bias: bool,
-    seed: int,
-) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(*lead, rows, in_features, generator=generator)
-    weight = torch.randn(out_features, in_features, generator=generator)
-    b = torch.randn(out_features, generator=generator) if bias else None
-    expected = F.linear(x, weight, b)
-    got = linear(x, weight, b)
-    assert got.shape == expected.shape and got.is_contiguous()
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="no oneDNN in this build")
 
 
 def test_padding_rule() -> None:
@@ -75,20 +50,24 @@ def test_engine_with_and_without_the_kernel_agree(family: str) -> None:
         torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-5)
 
 
-needs_onednn = pytest.mark.skipif(not onednn_available(), reason="no oneDNN in this build")
-
-
-@needs_onednn
+@pytest.mark.parametrize(
+    "kernel",
+    [
+        pytest.param(linear, id="transposed-padded"),
+        pytest.param(onednn_packed, id="onednn", marks=needs_onednn),
+    ],
+)
 @settings(max_examples=examples(60), deadline=None)
 @given(
-    rows=st.integers(1, 70),
+    rows=st.integers(1, 70),  # few-row products and past SMALL_ROWS (F.linear for linear)
     lead=st.sampled_from([(), (1,), (2,)]),
     in_features=st.integers(1, 48),
     out_features=st.integers(1, 64),
     bias=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_onednn_matches_f_linear(
+def test_kernels_match_f_linear(
+    kernel: Kernel,
     rows: int,
     lead: tuple[int, ...],
     in_features: int,
@@ -100,14 +79,14 @@ def test_onednn_matches_f_linear(
     x = torch.randn(*lead, rows, in_features, generator=generator)
     weight = torch.randn(out_features, in_features, generator=generator)
     b = torch.randn(out_features, generator=generator) if bias else None
-    got = onednn_packed(x, weight, b)
+    got = kernel(x, weight, b)
     assert got.shape == (*lead, rows, out_features) and got.is_contiguous()
     torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
     # A strided input (a column block of a fused output) gives the same product.
     wide = torch.randn(*lead, rows, 2 * in_features, generator=generator)
     view = wide[..., :in_features]
     torch.testing.assert_close(
-        onednn_packed(view, weight, b), F.linear(view, weight, b), rtol=1e-5, atol=1e-5
+        kernel(view, weight, b), F.linear(view, weight, b), rtol=1e-5, atol=1e-5
     )
 
 
