@@ -29,6 +29,7 @@ from knapspec.model.autotune import (
 )
 from knapspec.model.engine import SublayerEngine
 from knapspec.model.kernels import KERNELS, SMALL_ROWS, KernelTable
+from knapspec.model.onednn import onednn_available, packed_count, release_packed
 
 Q, K, GATE = (64, 64), (32, 64), (128, 64)
 
@@ -158,6 +159,30 @@ def _legacy_fingerprint(data: dict[str, Any]) -> str:
     import hashlib
 
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@pytest.mark.skipif(not onednn_available(), reason="no oneDNN in this build")
+def test_an_engine_reorders_its_onednn_weights_when_it_adopts_the_table() -> None:
+    """No product pays a reorder: the first verification of a new width would otherwise
+    be timed slow by the cost models."""
+    model = tiny_model("llama", seed=6)
+    plain = SublayerEngine(model, kernels="f.linear")
+    shapes = sorted({role.shape for roles in linear_roles(plain) for role in roles})
+    table = KernelTable(
+        max_rows=4,
+        choices={shape: ("f.linear", "onednn", "f.linear", "f.linear") for shape in shapes},
+        large={shapes[0]: "onednn"},
+    )
+    release_packed()
+    engine = SublayerEngine(model, kernels=table)
+    before = packed_count()
+    assert before > 0
+    ids = torch.randint(0, engine.vocab_size, (30,), generator=torch.Generator().manual_seed(0))
+    cache = engine.new_cache(40)
+    engine.forward(ids[:-2], 0, cache)  # a 28-row prefill: large products
+    engine.forward(ids[-2:], 28, cache)  # a 2-row step: oneDNN everywhere
+    assert packed_count() == before  # every copy was made up front
+    release_packed()
 
 
 def test_non_cpu_devices_and_other_dtypes_get_the_framework_products() -> None:

@@ -230,8 +230,9 @@ def tune_kernel_table(
     table, large_check = validate_large(
         engine, table.with_large(measured.large), repeats=repeats, margin=margin, timer=timer
     )
-    # Timing packed every weight it tried; the chosen kernels pack theirs again on use.
+    # Timing packed every weight it tried: keep only the copies the chosen table runs.
     release_packed()
+    engine.use_kernels(table)
     return TuneResult(
         key=KernelKey.for_engine(engine, max_rows),
         table=table,

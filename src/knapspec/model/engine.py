@@ -37,7 +37,8 @@ from torch import nn
 from knapspec.model.autotune import KERNELS_ENV, framework_only, resolve_kernel_table
 from knapspec.model.cache import KVCache
 from knapspec.model.fusion import FusedProjection, fuse_linears
-from knapspec.model.kernels import KERNELS, PLAIN_KERNEL, Kernel, KernelTable
+from knapspec.model.kernels import KERNELS, ONEDNN_KERNEL, PLAIN_KERNEL, Kernel, KernelTable
+from knapspec.model.onednn import prepack
 from knapspec.types import SublayerMask
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
@@ -265,6 +266,22 @@ class SublayerEngine:
         self._large: dict[tuple[int, ...], Kernel] = table.large_dispatch()
         self._fuse_qkv_rows = table.fuse_rows("qkv")
         self._fuse_gate_up_rows = table.fuse_rows("gate_up")
+        self._prepack(table)
+
+    def _prepack(self, table: KernelTable) -> None:
+        """Reorder now every weight ``table`` runs through oneDNN (see
+        :func:`knapspec.model.onednn.prepack`)."""
+        from knapspec.model.kernel_timing import linear_roles
+
+        uses = {shape for shape, names in table.choices.items() if ONEDNN_KERNEL in names}
+        uses |= {shape for shape, name in table.large.items() if name == ONEDNN_KERNEL}
+        if not uses:
+            return
+        separate, fused = linear_roles(self)
+        for role in (*separate, *fused):
+            if role.shape in uses:
+                for weight, _ in role.tensors:
+                    prepack(weight)
 
     def fusions(self, group: str) -> list[FusedProjection | None]:
         """Per layer, the fused projection of ``group`` (``"qkv"`` or ``"gate_up"``), or

@@ -96,9 +96,11 @@ KERNELS: dict[str, Kernel] = {
     "f.linear": f_linear,
     "transposed": transposed,
     "transposed-padded": transposed_padded,
-    "onednn": onednn_packed,
+    "onednn": onednn_packed,  # ONEDNN_KERNEL
 }
 PLAIN_KERNEL = "f.linear"
+#: oneDNN's packed product (its weights are reordered when a table that runs it is adopted).
+ONEDNN_KERNEL = "onednn"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -320,6 +322,7 @@ def _runs(names: tuple[str, ...]) -> str:
 __all__ = [
     "FUSION_GROUPS",
     "KERNELS",
+    "ONEDNN_KERNEL",
     "PLAIN_KERNEL",
     "SMALL_ROWS",
     "Kernel",

@@ -83,6 +83,14 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+def prepack(weight: torch.Tensor) -> None:
+    """Make ``weight``'s reordered copy now (where oneDNN runs it), so that the first
+    product that uses it is not also the one that pays the reorder: a first verification
+    of a new width would otherwise look slow to every cost model timing it."""
+    if onednn_available() and weight.dtype == torch.float32 and weight.device.type == "cpu":
+        _packed(weight)
+
+
 def release_packed() -> int:
     """Drop every reordered copy (they are made again on use); returns how many."""
     count = len(_PACKED)
@@ -157,5 +165,6 @@ __all__ = [
     "packed_count",
     "packing_fits",
     "physical_memory_bytes",
+    "prepack",
     "release_packed",
 ]
