@@ -29,11 +29,13 @@ from knapspec.decoding.batch_policy import (
     batched_verify_cost,
     packed_verify_cost,
 )
+from knapspec.decoding.batch_pricing import RoundPrices, row_attention_cost
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.decoding.run import GenerationResult
 from knapspec.decoding.verify import Verdict
 from knapspec.drafters.base import LOOKUP, Draft
 from knapspec.model.batch_cache import BatchKVCache
+from knapspec.model.batched import AttentionLayout, attends_per_row
 from knapspec.model.engine import ContextLengthError
 from knapspec.planners import LookupPlanner
 from knapspec.sampling import SamplingParams
@@ -373,13 +375,18 @@ def test_the_default_policy_speculates_only_with_lookup_and_a_cost_model() -> No
 
 
 # ------------------------------------------------------------------ packed products
-@given(widths=st.lists(st.integers(1, 5), min_size=1, max_size=4), seed=st.integers(0, 99))
+@given(
+    widths=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    seed=st.integers(0, 99),
+    attention=st.sampled_from(["auto", "padded", "per-row"]),
+)
 def test_packed_products_give_the_padded_pass_at_every_real_token(
-    widths: list[int], seed: int
+    widths: list[int], seed: int, attention: AttentionLayout
 ) -> None:
-    """A ragged pass with ``widths`` (products over the real tokens only) gives the same
-    logits at every real position, and the same K/V at every real position, as the
-    padded pass over ``rows × max(widths)`` tokens."""
+    """A ragged pass with ``widths`` (products over the real tokens only), attending in
+    one padded call or row by row, gives the same logits at every real position, and the
+    same K/V at every real position, as the padded pass over ``rows × max(widths)``
+    tokens."""
     from knapspec.model.batched import forward_batch, new_batch_cache
 
     engine = _decoder().engine
@@ -397,10 +404,12 @@ def test_packed_products_give_the_padded_pass_at_every_real_token(
         caches.append(cache)
     inputs = torch.randint(0, 97, (rows, width), generator=generator)
     padded = forward_batch(engine, inputs, contexts, caches[0])
-    packed = forward_batch(engine, inputs, contexts, caches[1], widths=widths)
+    packed = forward_batch(engine, inputs, contexts, caches[1], widths=widths, attention=attention)
     for cache in caches:
         cache.set_lengths(list(contexts))  # the pass left the lengths to the caller
-    last = forward_batch(engine, inputs, contexts, caches[1], widths=widths, all_logits=False)
+    last = forward_batch(
+        engine, inputs, contexts, caches[1], widths=widths, all_logits=False, attention=attention
+    )
     for row, real in enumerate(widths):  # each row's last *real* token
         torch.testing.assert_close(last[row], padded[row, real - 1], atol=1e-4, rtol=1e-4)
     for row, real in enumerate(widths):
@@ -419,3 +428,43 @@ def test_packed_products_give_the_padded_pass_at_every_real_token(
                 atol=1e-5,
                 rtol=1e-4,
             )
+
+
+def test_a_ragged_pass_attends_row_by_row_only_where_padding_doubles_the_queries() -> None:
+    """One row drafting 4 beside three plain rows pads 20 queries for 8 real ones: row by
+    row; near-equal widths, and a single row, stay one padded call."""
+    assert attends_per_row(4, 5, 8)
+    assert attends_per_row(3, 11, 13)
+    assert not attends_per_row(2, 11, 12)  # (11, 1): 22 padded queries for 12
+    assert not attends_per_row(4, 4, 14)
+    assert not attends_per_row(1, 11, 11)
+    assert not attends_per_row(3, 1, 3)
+
+
+class _AttentionCosts(VerifyCurveCostModel):
+    """Products cost 1 s per 4 tokens (at least 1 s); attention 1 ms per token and 100
+    cached positions."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda tokens: max(1.0, tokens / 4))
+
+    def verify_cost(self, tokens: int, context_length: int) -> float:
+        return self.curve(tokens) + 1e-5 * tokens * context_length
+
+
+@given(widths=st.lists(st.integers(1, 8), min_size=1, max_size=6))
+def test_a_round_is_priced_as_it_attends_and_alike_by_search_and_calibration(
+    widths: list[int],
+) -> None:
+    """Row by row, each row pays attention at its own width; padded, every row at the
+    widest; the policy's search (RoundPrices) and the calibration (packed_verify_cost)
+    price the same round alike."""
+    costs, context = _AttentionCosts(), 1000
+    rows, width, tokens = len(widths), max(widths), sum(widths)
+    per_row = attends_per_row(rows, width, tokens)
+    attention = [row_attention_cost(costs, w, context) for w in widths]
+    assert attention == pytest.approx([0.01 * w for w in widths])
+    expected = costs.curve(tokens) + (sum(attention) if per_row else rows * 0.01 * width)
+    assert packed_verify_cost(costs, widths, context) == pytest.approx(expected)
+    prices = RoundPrices(costs, rows, context, BatchPassCalibration(), BatchPassCalibration(), None)
+    assert prices.round(tokens, width, 0, sum(attention)) == pytest.approx(expected)

@@ -13,7 +13,9 @@ for the whole batch, so the decision is made at batch level:
   costs, split into the part that does not grow with the context and the part that does
   (:func:`packed_verify_cost`): the linear products see all ``T = Σ_r (1 + γ_r)`` tokens
   at once, ``verify_cost(T, 0)``, and every row attends over its own cache,
-  ``rows · (verify_cost(q, n̄) - verify_cost(q, 0))`` at the rows' mean context ``n̄``.
+  ``verify_cost(q, n̄) - verify_cost(q, 0)`` at the rows' mean context ``n̄``, at the
+  padded width ``q``, or at its own ``1 + γ_r`` where the pass attends row by row (one
+  row drafting far beyond the others).
   For each cap ``G`` on the padded width it takes the rows' marginal gains
   ``E_r(k) - E_r(k - 1)`` largest first (they fall along each row, so the first ``m``
   are the best ``m`` draft tokens of the batch) and keeps the count of the highest tokens
@@ -368,11 +370,13 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         counts = [0] * count
         tokens, widest = float(count), 0
         best_tpt, best_m = tokens / prices.round(count, 1, 0), 0
+        attended = count * prices.attention(1)  # Σ_r attention(1 + γ_r), kept as γ grows
         for m, (increment, row) in enumerate(increments, start=1):
             tokens += increment
+            attended += prices.attention(counts[row] + 2) - prices.attention(counts[row] + 1)
             counts[row] += 1
             widest = max(widest, counts[row])
-            tpt = tokens / prices.round(count + m, 1 + widest, 0)
+            tpt = tokens / prices.round(count + m, 1 + widest, 0, attended)
             if tpt > best_tpt:
                 best_tpt, best_m = tpt, m
         gammas = [0] * count
@@ -403,7 +407,8 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         if not any(uses):
             return None
         steps = max(g for g, use in zip(gammas, uses, strict=True) if use)
-        cost = prices.round(len(gammas) + sum(gammas), 1 + max(gammas), steps)
+        attended = sum(prices.attention(1 + gamma) for gamma in gammas)
+        cost = prices.round(len(gammas) + sum(gammas), 1 + max(gammas), steps, attended)
         return tokens / cost, RoundPlan(tuple(gammas), tuple(uses))
 
     def observe(self, row: int, proposal: Draft, committed: Sequence[int]) -> None:

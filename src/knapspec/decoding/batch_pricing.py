@@ -1,11 +1,13 @@
 """What batched rounds cost: the cost model's single-sequence prices turned into a batch's.
 
 A batched verification runs its linear products once over the rows' real tokens (packed)
-and each row's attention over its own cache at the padded width
-(:func:`packed_verify_cost`); a batched sub-network step scales the mask's products from
-one row to all rows as verification scales (:func:`batched_draft_cost`). How far real
-batched passes stray from those prices is learned online (:class:`BatchPassCalibration`),
-and one round's queries are made once (:class:`RoundPrices`).
+and each row's attention over its own cache, at the padded width, or at the row's own
+width where the pass attends row by row (:func:`packed_verify_cost`,
+:func:`~knapspec.model.batched.attends_per_row`); a batched sub-network step scales
+the mask's products from one row to all rows as verification scales
+(:func:`batched_draft_cost`). How far real batched passes stray from those prices is
+learned online (:class:`BatchPassCalibration`), and one round's queries are made once
+(:class:`RoundPrices`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Sequence
 import attrs
 
 from knapspec.costmodels.base import CostModel
+from knapspec.model.batched import attends_per_row
 from knapspec.types import SublayerMask
 from knapspec.validators import unit_interval
 
@@ -30,11 +33,19 @@ def batched_verify_cost(cost_model: CostModel, rows: int, tokens: int, context: 
 def packed_verify_cost(cost_model: CostModel, widths: Sequence[int], context: int) -> float:
     """Predicted seconds of one verify pass whose row ``r`` feeds ``widths[r]`` tokens, at
     a mean context ``context``: the products over the ``Σ widths`` real tokens (the batch
-    packs them) plus every row's attention at the padded width ``max(widths)``."""
-    width = max(widths)
-    products = cost_model.verify_cost(sum(widths), 0)
-    attention = cost_model.verify_cost(width, context) - cost_model.verify_cost(width, 0)
-    return products + len(widths) * max(attention, 0.0)
+    packs them) plus every row's attention, at the padded width ``max(widths)`` or, where
+    the pass attends row by row, at its own width."""
+    width, tokens = max(widths), sum(widths)
+    products = cost_model.verify_cost(tokens, 0)
+    if attends_per_row(len(widths), width, tokens):
+        return products + sum(row_attention_cost(cost_model, w, context) for w in widths)
+    return products + len(widths) * row_attention_cost(cost_model, width, context)
+
+
+def row_attention_cost(cost_model: CostModel, width: int, context: int) -> float:
+    """Predicted seconds of one row's attention for ``width`` new tokens over ``context``
+    cached ones: the context-dependent part of a ``width``-token verification."""
+    return max(cost_model.verify_cost(width, context) - cost_model.verify_cost(width, 0), 0.0)
 
 
 def batched_draft_cost(cost_model: CostModel, mask: SublayerMask, rows: int, context: int) -> float:
@@ -95,8 +106,8 @@ class BatchPassCalibration:
 
 class RoundPrices:
     """One round's calibrated prices, each cost-model query made once: the products of
-    ``T`` packed tokens, the attention at padded width ``w`` (every row), one batched
-    sub-network step over every row.
+    ``T`` packed tokens, one row's attention at width ``w``, one batched sub-network step
+    over every row.
 
     Args:
         cost_model: the decoder's cost model.
@@ -125,23 +136,36 @@ class RoundPrices:
         self._attention: dict[int, float] = {}
         self._step: float | None = None
 
-    def round(self, tokens: int, width: int, steps: int) -> float:
+    def attention(self, width: int) -> float:
+        """One row's attention seconds at ``width`` new tokens (uncalibrated)."""
+        seconds = self._attention.get(width)
+        if seconds is None:
+            seconds = row_attention_cost(self.cost_model, width, self.context)
+            self._attention[width] = seconds
+        return seconds
+
+    def round(self, tokens: int, width: int, steps: int, attended: float | None = None) -> float:
         """Seconds of ``steps`` sub-network steps, then a verification of ``tokens`` real
-        tokens padded to ``width`` per row."""
-        cost_model = self.cost_model
+        tokens padded to ``width`` per row.
+
+        Args:
+            attended: the rows' attention seconds at their own widths,
+                ``Σ_r attention(w_r)``: what the pass costs where it attends row by row
+                (:func:`~knapspec.model.batched.attends_per_row`); None: every row at
+                ``width``.
+        """
         products = self._products.get(tokens)
         if products is None:
-            products = cost_model.verify_cost(tokens, 0)
+            products = self.cost_model.verify_cost(tokens, 0)
             self._products[tokens] = products
-        attention = self._attention.get(width)
-        if attention is None:
-            full = cost_model.verify_cost(width, self.context)
-            attention = self.rows * max(full - cost_model.verify_cost(width, 0), 0.0)
-            self._attention[width] = attention
+        if attended is not None and attends_per_row(self.rows, width, tokens):
+            attention = attended
+        else:
+            attention = self.rows * self.attention(width)
         cost = (products + attention) * self.calibration.factor(tokens)
         if steps and self.mask is not None:
             if self._step is None:
-                step = batched_draft_cost(cost_model, self.mask, self.rows, self.context)
+                step = batched_draft_cost(self.cost_model, self.mask, self.rows, self.context)
                 self._step = step * self.draft_calibration.factor(self.rows)
             cost += steps * self._step
         return cost
@@ -153,4 +177,5 @@ __all__ = [
     "batched_draft_cost",
     "batched_verify_cost",
     "packed_verify_cost",
+    "row_attention_cost",
 ]

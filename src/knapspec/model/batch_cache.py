@@ -127,6 +127,14 @@ class BatchKVCache:
         """``(rows, kv_heads, end, head_dim)`` view of the active rows' values."""
         return self._values[layer][: self.rows, :, :end]
 
+    def row_keys(self, layer: int, row: int, end: int) -> torch.Tensor:
+        """``(1, kv_heads, end, head_dim)`` view of active row ``row``'s keys."""
+        return self._keys[layer][row : row + 1, :, :end]
+
+    def row_values(self, layer: int, row: int, end: int) -> torch.Tensor:
+        """``(1, kv_heads, end, head_dim)`` view of active row ``row``'s values."""
+        return self._values[layer][row : row + 1, :, :end]
+
     def set_lengths(self, lengths: list[int]) -> None:
         """Each active row's valid length after a step (its accepted tokens; a crop)."""
         if len(lengths) != self.rows:
