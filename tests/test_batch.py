@@ -407,6 +407,17 @@ def test_packed_products_give_the_padded_pass_at_every_real_token(
     packed = forward_batch(engine, inputs, contexts, caches[1], widths=widths, attention=attention)
     for cache in caches:
         cache.set_lengths(list(contexts))  # the pass left the lengths to the caller
+    flat = forward_batch(
+        engine, inputs, contexts, caches[1], widths=widths, packed_logits=True, attention=attention
+    )
+    assert flat.shape == (sum(widths), padded.shape[-1])
+    torch.testing.assert_close(
+        flat,
+        torch.cat([padded[row, :real] for row, real in enumerate(widths)]),
+        atol=1e-4,
+        rtol=1e-4,
+    )
+    caches[1].set_lengths(list(contexts))
     last = forward_batch(
         engine, inputs, contexts, caches[1], widths=widths, all_logits=False, attention=attention
     )

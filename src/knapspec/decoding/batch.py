@@ -283,13 +283,16 @@ class BatchRun:
             inputs[slot, : len(row_inputs)] = torch.tensor(row_inputs)
         widths = [1 + len(d) for d in drafts]
         verify_start = self._now()
-        logits = forward_batch(engine, inputs, contexts, cache, widths=widths)
+        # (Σ widths, vocab): row after row, only the real tokens' logits.
+        logits = forward_batch(engine, inputs, contexts, cache, widths=widths, packed_logits=True)
         check_finite(logits, "batched verification")
         new_lengths = []
+        offset = 0
         for slot, row in enumerate(active):
             draft = drafts[slot]
             tokens = list(draft.tokens)
-            scores = logits[slot, : len(tokens) + 1]
+            scores = logits[offset : offset + len(tokens) + 1]
+            offset += widths[slot]
             if self.params.do_sample:
                 target = processed_probs(scores, self.params)
                 draft_probs = draft.draft_probs(target.shape[-1], target.device)
