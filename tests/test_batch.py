@@ -35,7 +35,7 @@ from knapspec.decoding.run import GenerationResult
 from knapspec.decoding.verify import Verdict
 from knapspec.drafters.base import LOOKUP, Draft
 from knapspec.model.batch_cache import BatchKVCache
-from knapspec.model.batched import AttentionLayout, attends_per_row
+from knapspec.model.batched import AttentionLayout, splits_attention
 from knapspec.model.engine import ContextLengthError
 from knapspec.planners import LookupPlanner
 from knapspec.sampling import SamplingParams
@@ -378,15 +378,15 @@ def test_the_default_policy_speculates_only_with_lookup_and_a_cost_model() -> No
 @given(
     widths=st.lists(st.integers(1, 5), min_size=1, max_size=4),
     seed=st.integers(0, 99),
-    attention=st.sampled_from(["auto", "padded", "per-row"]),
+    attention=st.sampled_from(["auto", "padded", "split"]),
 )
 def test_packed_products_give_the_padded_pass_at_every_real_token(
     widths: list[int], seed: int, attention: AttentionLayout
 ) -> None:
     """A ragged pass with ``widths`` (products over the real tokens only), attending in
-    one padded call or row by row, gives the same logits at every real position, and the
-    same K/V at every real position, as the padded pass over ``rows × max(widths)``
-    tokens."""
+    one padded call or split (first tokens batched, later queries row by row), gives the
+    same logits and the same K/V at every real position as the padded pass over
+    ``rows × max(widths)`` tokens."""
     from knapspec.model.batched import forward_batch, new_batch_cache
 
     engine = _decoder().engine
@@ -444,12 +444,12 @@ def test_packed_products_give_the_padded_pass_at_every_real_token(
 def test_a_ragged_pass_attends_row_by_row_only_where_padding_doubles_the_queries() -> None:
     """One row drafting 4 beside three plain rows pads 20 queries for 8 real ones: row by
     row; near-equal widths, and a single row, stay one padded call."""
-    assert attends_per_row(4, 5, 8)
-    assert attends_per_row(3, 11, 13)
-    assert not attends_per_row(2, 11, 12)  # (11, 1): 22 padded queries for 12
-    assert not attends_per_row(4, 4, 14)
-    assert not attends_per_row(1, 11, 11)
-    assert not attends_per_row(3, 1, 3)
+    assert splits_attention(4, 5, 8)
+    assert splits_attention(3, 11, 13)
+    assert not splits_attention(2, 11, 12)  # (11, 1): 22 padded queries for 12
+    assert not splits_attention(4, 4, 14)
+    assert not splits_attention(1, 11, 11)
+    assert not splits_attention(3, 1, 3)
 
 
 class _AttentionCosts(VerifyCurveCostModel):
@@ -472,10 +472,10 @@ def test_a_round_is_priced_as_it_attends_and_alike_by_search_and_calibration(
     price the same round alike."""
     costs, context = _AttentionCosts(), 1000
     rows, width, tokens = len(widths), max(widths), sum(widths)
-    per_row = attends_per_row(rows, width, tokens)
+    split = splits_attention(rows, width, tokens)
     attention = [row_attention_cost(costs, w, context) for w in widths]
     assert attention == pytest.approx([0.01 * w for w in widths])
-    expected = costs.curve(tokens) + (sum(attention) if per_row else rows * 0.01 * width)
+    expected = costs.curve(tokens) + (sum(attention) if split else rows * 0.01 * width)
     assert packed_verify_cost(costs, widths, context) == pytest.approx(expected)
     prices = RoundPrices(costs, rows, context, BatchPassCalibration(), BatchPassCalibration(), None)
     assert prices.round(tokens, width, 0, sum(attention)) == pytest.approx(expected)

@@ -14,7 +14,7 @@ for the whole batch, so the decision is made at batch level:
   (:func:`packed_verify_cost`): the linear products see all ``T = Σ_r (1 + γ_r)`` tokens
   at once, ``verify_cost(T, 0)``, and every row attends over its own cache,
   ``verify_cost(q, n̄) - verify_cost(q, 0)`` at the rows' mean context ``n̄``, at the
-  padded width ``q``, or at its own ``1 + γ_r`` where the pass attends row by row (one
+  padded width ``q``, or at its own ``1 + γ_r`` where the pass splits its attention (one
   row drafting far beyond the others).
   For each cap ``G`` on the padded width it takes the rows' marginal gains
   ``E_r(k) - E_r(k - 1)`` largest first (they fall along each row, so the first ``m``

@@ -2,8 +2,8 @@
 
 A batched verification runs its linear products once over the rows' real tokens (packed)
 and each row's attention over its own cache, at the padded width, or at the row's own
-width where the pass attends row by row (:func:`packed_verify_cost`,
-:func:`~knapspec.model.batched.attends_per_row`); a batched sub-network step scales
+width where the pass splits its attention (:func:`packed_verify_cost`,
+:func:`~knapspec.model.batched.splits_attention`); a batched sub-network step scales
 the mask's products from one row to all rows as verification scales
 (:func:`batched_draft_cost`). How far real batched passes stray from those prices is
 learned online (:class:`BatchPassCalibration`), and one round's queries are made once
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import attrs
 
 from knapspec.costmodels.base import CostModel
-from knapspec.model.batched import attends_per_row
+from knapspec.model.batched import splits_attention
 from knapspec.types import SublayerMask
 from knapspec.validators import unit_interval
 
@@ -34,10 +34,10 @@ def packed_verify_cost(cost_model: CostModel, widths: Sequence[int], context: in
     """Predicted seconds of one verify pass whose row ``r`` feeds ``widths[r]`` tokens, at
     a mean context ``context``: the products over the ``Σ widths`` real tokens (the batch
     packs them) plus every row's attention, at the padded width ``max(widths)`` or, where
-    the pass attends row by row, at its own width."""
+    the pass splits its attention, at its own width."""
     width, tokens = max(widths), sum(widths)
     products = cost_model.verify_cost(tokens, 0)
-    if attends_per_row(len(widths), width, tokens):
+    if splits_attention(len(widths), width, tokens):
         return products + sum(row_attention_cost(cost_model, w, context) for w in widths)
     return products + len(widths) * row_attention_cost(cost_model, width, context)
 
@@ -150,15 +150,15 @@ class RoundPrices:
 
         Args:
             attended: the rows' attention seconds at their own widths,
-                ``Σ_r attention(w_r)``: what the pass costs where it attends row by row
-                (:func:`~knapspec.model.batched.attends_per_row`); None: every row at
+                ``Σ_r attention(w_r)``: what the pass costs where it splits its attention
+                (:func:`~knapspec.model.batched.splits_attention`); None: every row at
                 ``width``.
         """
         products = self._products.get(tokens)
         if products is None:
             products = self.cost_model.verify_cost(tokens, 0)
             self._products[tokens] = products
-        if attended is not None and attends_per_row(self.rows, width, tokens):
+        if attended is not None and splits_attention(self.rows, width, tokens):
             attention = attended
         else:
             attention = self.rows * self.attention(width)

@@ -11,11 +11,12 @@ step), and over the ``Σ q_r`` real tokens only, *packed*, when the caller gives
 width: a round where one row drafts 5 tokens and three draft none computes the products
 of 9 tokens, not 24. Packed, only the real tokens' K/V are written. Attention stays one
 padded call unless padding would at least double the attended queries
-(:func:`attends_per_row`): then each row attends alone with its own ``q_r`` queries over
-its own keys (a row of width 1 needs no mask at all). On a 2-core AMD EPYC a 2048-token
-round of four rows of widths (11, 1, 1, 1) spent 3.4 ms per layer in the padded call and
-1.4-1.7 ms row by row, while near-equal widths ran faster padded (one call, no per-row
-masks).
+(:func:`splits_attention`): then the pass splits it, every row's first token in one
+batched call (a plain batched step) and each wider row's later queries alone over its own
+keys. On a 2-core AMD EPYC a 2048-token round of four rows of widths (11, 1, 1, 1) spent
+3.4 ms per layer in the padded call and 1.4-1.7 ms row by row, while near-equal widths ran
+faster padded (one call, no per-row masks), and width-1 rows attended one call per row
+read their caches 1.5x slower than in one batched call at 8 rows.
 
 Under a :class:`~knapspec.types.SublayerMask` (a layer-skipping draft step shared by the
 batch's rows) only the executed items run; a skipped attention item writes no K/V. The
@@ -57,18 +58,21 @@ def new_batch_cache(engine: SublayerEngine, rows: int, capacity: int) -> BatchKV
     )
 
 
-#: Attend row by row when the padded layout's ``rows × q`` queries are at least this many
-#: times the ``Σ q_r`` real ones (a layout rule, the same on every machine: how much of the
-#: padded call's work is padding).
-PER_ROW_PADDING_FACTOR = 2
+#: Split a ragged pass's attention (first tokens batched, later queries row by row) when
+#: the padded layout's ``rows × q`` queries are at least this many times the ``Σ q_r`` real
+#: ones (a layout rule, the same on every machine: how much of the padded call's work is
+#: padding).
+SPLIT_PADDING_FACTOR = 2
 
-AttentionLayout = Literal["auto", "padded", "per-row"]
+AttentionLayout = Literal["auto", "padded", "split"]
 
 
-def attends_per_row(rows: int, width: int, tokens: int) -> bool:
+def splits_attention(rows: int, width: int, tokens: int) -> bool:
     """Whether a pass of ``rows`` rows padded to ``width`` with ``tokens`` real tokens in
-    all attends row by row (the cost models price it that way too)."""
-    return rows > 1 and rows * width >= PER_ROW_PADDING_FACTOR * tokens
+    all splits its attention: every row's first token in one call, the later queries of
+    the rows that draft row by row (the cost models price each row at its own width
+    there)."""
+    return rows > 1 and rows * width >= SPLIT_PADDING_FACTOR * tokens
 
 
 def later_masks(
@@ -215,8 +219,8 @@ def forward_batch(
         mask: the sub-network to run (a draft step); None runs the full model.
         widths: per row, its real tokens ``q_r`` in ``[1, q]`` (the rest is padding);
             ragged widths run the products packed. None: every row has ``q``.
-        attention: ``"auto"`` (:func:`attends_per_row` decides for a ragged pass),
-            ``"padded"`` or ``"per-row"`` (the tests compare the two).
+        attention: ``"auto"`` (:func:`splits_attention` decides for a ragged pass),
+            ``"padded"`` or ``"split"`` (the tests compare the two).
         packed_logits: with ``all_logits``, return the ``(Σ q_r, vocab)`` logits of the
             real tokens, row after row, instead of the padded ``(rows, q, vocab)``: a
             fresh padded tensor of logits is tens of MB to zero (4 rows × 11 tokens ×
@@ -268,11 +272,11 @@ def forward_batch(
     cos, sin = engine.rotary_emb(hidden, positions)
     end = max(starts) + q_len
     groups = engine.kv_groups
-    per_row = packing is not None and (
-        attention == "per-row"
-        or (attention == "auto" and attends_per_row(rows, q_len, int(row_of.numel())))
+    split = packing is not None and (
+        attention == "split"
+        or (attention == "auto" and splits_attention(rows, q_len, int(row_of.numel())))
     )
-    if per_row:
+    if split:
         row_widths = list(widths or ())
         masks = later_masks(starts, row_widths, groups, device)
         offsets = [0, *itertools.accumulate(row_widths)][:-1]
@@ -289,7 +293,7 @@ def forward_batch(
             normed = layer.input_layernorm(hidden)
             query, key, value = engine._project_qkv(layer_index, normed, cos, sin)
             cache.write(layer_index, index, key, value)
-            if per_row:
+            if split:
                 attended = _split_attention(
                     engine, query, cache, layer_index, first, row_widths, masks
                 )
@@ -316,12 +320,12 @@ def forward_batch(
 
 
 __all__ = [
-    "PER_ROW_PADDING_FACTOR",
+    "SPLIT_PADDING_FACTOR",
     "AttentionLayout",
     "FirstQueries",
-    "attends_per_row",
     "forward_batch",
     "later_masks",
     "new_batch_cache",
     "ragged_mask",
+    "splits_attention",
 ]
