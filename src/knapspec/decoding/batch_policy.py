@@ -13,10 +13,9 @@ for the whole batch, so the decision is made at batch level:
   costs, split into the part that does not grow with the context and the part that does
   (:func:`packed_verify_cost`): the linear products see all ``T = Σ_r (1 + γ_r)`` tokens
   at once, ``verify_cost(T, 0)``, and every row attends over its own cache,
-  ``verify_cost(q, n̄) - verify_cost(q, 0)`` at the rows' mean context ``n̄``, at the
-  padded width ``q``, or at its own ``1 + γ_r`` where the pass splits its attention (one
-  row drafting far beyond the others).
-  For each cap ``G`` on the padded width it takes the rows' marginal gains
+  ``verify_cost(q, n̄) - verify_cost(q, 0)`` at the rows' mean context ``n̄`` and the
+  padded width ``q`` (its own ``1 + γ_r`` where the pass splits its attention). For
+  each cap ``G`` on the padded width it takes the rows' marginal gains
   ``E_r(k) - E_r(k - 1)`` largest first (they fall along each row, so the first ``m``
   are the best ``m`` draft tokens of the batch) and keeps the count of the highest tokens
   per second ``Σ_r E_r(γ_r) / cost``; a row whose drafts are seldom accepted drafts
@@ -248,15 +247,10 @@ class CostModelBatchPolicy(BatchDraftPolicy):
 
     def use_subnetwork(self, subnetwork: BatchSubnetwork | None) -> None:
         self.subnetwork = subnetwork
-        rows = len(self.acceptance)
-        self.subnetwork_acceptance = (
-            [
-                SubnetworkAcceptance(subnetwork.prior_acceptance, subnetwork.prior_tokens)
-                for _ in range(rows)
-            ]
-            if subnetwork is not None
-            else []
-        )
+        self.subnetwork_acceptance = []
+        if subnetwork is not None:
+            prior = (subnetwork.prior_acceptance, subnetwork.prior_tokens)
+            self.subnetwork_acceptance = [SubnetworkAcceptance(*prior) for _ in self.acceptance]
 
     def draft_lengths(
         self, rows: Sequence[int], proposals: Sequence[Draft], context_lengths: Sequence[int]
@@ -370,7 +364,7 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         counts = [0] * count
         tokens, widest = float(count), 0
         best_tpt, best_m = tokens / prices.round(count, 1, 0), 0
-        attended = count * prices.attention(1)  # Σ_r attention(1 + γ_r), kept as γ grows
+        attended = count * prices.attention(1)  # Σ_r attention(1 + γ_r), as γ grows
         for m, (increment, row) in enumerate(increments, start=1):
             tokens += increment
             attended += prices.attention(counts[row] + 2) - prices.attention(counts[row] + 1)
