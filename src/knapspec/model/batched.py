@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from knapspec.model.batch_cache import BatchKVCache
+from knapspec.model.row_attention import EXACT_MAX_QUERIES
 
 if TYPE_CHECKING:
     from knapspec.model.engine import SublayerEngine
@@ -163,6 +164,46 @@ def _split_attention(
     return torch.cat(pieces, dim=2).transpose(1, 2).reshape(1, -1, heads * head_dim)
 
 
+def _exact_attention(
+    engine: SublayerEngine,
+    query: torch.Tensor,
+    cache: BatchKVCache,
+    layer_index: int,
+    starts: Sequence[int],
+    widths: Sequence[int],
+    packed: bool,
+) -> torch.Tensor:
+    """Every row's queries over its own keys through the row-invariant kernel, so that a
+    row computes bitwise what it computes decoded alone (the exactness contract):
+    ``query (1, H, T, hd)`` packed or ``(rows, H, q, hd)`` padded -> ``(1, T, H * hd)`` or
+    ``(rows, q, H * hd)``."""
+    pieces = []
+    offset = 0
+    for row, (start, width) in enumerate(zip(starts, widths, strict=True)):
+        if packed:
+            row_query = query[0, :, offset : offset + width]
+        else:
+            row_query = query[row, :, :width]
+        pieces.append(
+            engine.attend_exact(
+                row_query,
+                cache.row_keys(layer_index, row, start + width)[0],
+                cache.row_values(layer_index, row, start + width)[0],
+                start,
+            )
+        )
+        offset += width
+    if packed:
+        return torch.cat(pieces, dim=1)
+    q_len = query.shape[2]
+    if any(width != q_len for width in widths):  # padding: its attention is never read
+        pieces = [
+            torch.cat([piece, piece.new_zeros(1, q_len - piece.shape[1], piece.shape[2])], 1)
+            for piece in pieces
+        ]
+    return torch.cat(pieces, dim=0)
+
+
 def _padded_attention(
     engine: SublayerEngine,
     query: torch.Tensor,
@@ -272,7 +313,9 @@ def forward_batch(
     cos, sin = engine.rotary_emb(hidden, positions)
     end = max(starts) + q_len
     groups = engine.kv_groups
-    split = packing is not None and (
+    row_widths_all = list(widths) if widths is not None else [q_len] * rows
+    exact = engine.exact and max(row_widths_all) <= EXACT_MAX_QUERIES
+    split = not exact and packing is not None and (
         attention == "split"
         or (attention == "auto" and splits_attention(rows, q_len, int(row_of.numel())))
     )
@@ -286,14 +329,18 @@ def forward_batch(
             max(starts) + 1,
             ragged_mask(start_tensor, 1, max(starts) + 1, groups),
         )
-    else:
+    elif not exact:
         visible = ragged_mask(start_tensor, q_len, end, groups)
     for layer_index, layer in enumerate(engine.layers):
         if executed[2 * layer_index]:
             normed = layer.input_layernorm(hidden)
             query, key, value = engine._project_qkv(layer_index, normed, cos, sin)
             cache.write(layer_index, index, key, value)
-            if split:
+            if exact:
+                attended = _exact_attention(
+                    engine, query, cache, layer_index, starts, row_widths_all, packing is not None
+                )
+            elif split:
                 attended = _split_attention(
                     engine, query, cache, layer_index, first, row_widths, masks
                 )

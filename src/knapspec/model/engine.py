@@ -38,7 +38,9 @@ from knapspec.model.autotune import KERNELS_ENV, framework_only, resolve_kernel_
 from knapspec.model.cache import KVCache
 from knapspec.model.fusion import FusedProjection, fuse_linears
 from knapspec.model.kernels import KERNELS, ONEDNN_KERNEL, PLAIN_KERNEL, Kernel, KernelTable
+from knapspec.model.invariance import InvarianceReport, row_invariant_table
 from knapspec.model.onednn import prepack
+from knapspec.model.row_attention import EXACT_MAX_QUERIES, attend_rows
 from knapspec.types import SublayerMask
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
@@ -179,6 +181,14 @@ class SublayerEngine:
             (:mod:`knapspec.model.fusion`: the layers' weights become row blocks of one
             tensor, same values, same memory).
         progress: a progress bar while a table is measured (None: on a terminal only).
+        exact: keep the exactness contract (``docs/theory.md``): the logits and K/V that
+            a ``k``-token verification computes for each position are bitwise those of a
+            one-token step there, in every dtype. Attention over cached keys runs through
+            the row-invariant kernel (:mod:`knapspec.model.row_attention`) and only
+            kernels that pass the row-invariance probe run the products
+            (:mod:`knapspec.model.invariance`). False runs the fastest kernels measured,
+            which round differently for different row counts (greedy output may then
+            leave plain decoding's at a near-tie, often within tens of tokens in bf16).
     """
 
     def __init__(
@@ -189,6 +199,7 @@ class SublayerEngine:
         small_row_linear: bool = True,
         fuse_projections: bool = True,
         progress: bool | None = None,
+        exact: bool = True,
     ) -> None:
         _check_supported(model)
         _check_placement(model)
@@ -250,8 +261,14 @@ class SublayerEngine:
             for layer in self.layers
         ]
         self._fuse_projections = fuse_projections
+        self.exact = exact
+        self.invariance: InvarianceReport | None = None
         self.use_kernels(KernelTable.plain())
-        self.use_kernels(resolve_kernel_table(self, kernels, progress=progress))
+        table = resolve_kernel_table(self, kernels, progress=progress)
+        if exact and self.device.type == "cpu":
+            self.invariance = row_invariant_table(self, table)
+            table = self.invariance.table
+        self.use_kernels(table)
 
     # ---------------------------------------------------------------- kernels
     def use_kernels(self, table: KernelTable) -> None:
@@ -266,6 +283,11 @@ class SublayerEngine:
         self._large: dict[tuple[int, ...], Kernel] = table.large_dispatch()
         self._fuse_qkv_rows = table.fuse_rows("qkv")
         self._fuse_gate_up_rows = table.fuse_rows("gate_up")
+        # A row-invariant table fuses products over max_rows rows as it fuses few-row ones
+        # (a fused and an unfused product round differently).
+        uniform = self.exact and table.max_rows > 0
+        self._fuse_qkv_large = uniform and all(self._fuse_qkv_rows[1:])
+        self._fuse_gate_up_large = uniform and all(self._fuse_gate_up_rows[1:])
         self._prepack(table)
 
     def _prepack(self, table: KernelTable) -> None:
@@ -334,16 +356,25 @@ class SublayerEngine:
         return result
 
     def _fused(
-        self, fused: FusedProjection, fuse_rows: tuple[bool, ...], x: torch.Tensor
+        self,
+        fused: FusedProjection,
+        fuse_rows: tuple[bool, ...],
+        x: torch.Tensor,
+        fuse_large: bool = False,
     ) -> tuple[torch.Tensor, ...]:
         """The parts' outputs for ``x (..., d)``: one product where the table fuses this
-        many rows and the fusion is current; else one product per part (a prefill, see
-        :mod:`knapspec.model.fusion`, or weights replaced since the engine was built)."""
+        many rows (``fuse_large``: also over ``max_rows``) and the fusion is current; else
+        one product per part (a prefill, see :mod:`knapspec.model.fusion`, or weights
+        replaced since the engine was built)."""
         rows = x.numel() // x.shape[-1]
-        if rows <= self._max_rows and fuse_rows[rows] and fused.is_current():
+        small = rows <= self._max_rows
+        if (fuse_rows[rows] if small else fuse_large) and fused.is_current():
             weight = fused.weight
-            kernels = self._dispatch.get(weight.shape)
-            kernel = kernels[rows] if kernels is not None else _PLAIN
+            if small:
+                kernels = self._dispatch.get(weight.shape)
+                kernel = kernels[rows] if kernels is not None else _PLAIN
+            else:
+                kernel = self._large.get(weight.shape, _PLAIN)
             return fused.split(kernel(x, weight, fused.bias))
         return tuple(self._project(part, x) for part in fused.parts)
 
@@ -365,7 +396,9 @@ class SublayerEngine:
             return result
         fused = self._fused_gate_up[layer_index]
         if fused is not None:
-            gated, upward = self._fused(fused, self._fuse_gate_up_rows, x)
+            gated, upward = self._fused(
+                fused, self._fuse_gate_up_rows, x, self._fuse_gate_up_large
+            )
         else:
             gated, upward = self._project(gate, x), self._project(up, x)
         hidden = act(gated)
@@ -390,7 +423,8 @@ class SublayerEngine:
         fused = self._fused_qkv[layer_index]
         if fused is not None:
             query, key, value = (
-                part.reshape(shape) for part in self._fused(fused, self._fuse_qkv_rows, normed)
+                part.reshape(shape)
+                for part in self._fused(fused, self._fuse_qkv_rows, normed, self._fuse_qkv_large)
             )
         else:
             query = self._project(attn.q_proj, normed).view(shape)
@@ -440,6 +474,18 @@ class SublayerEngine:
             out = out.reshape(batch, heads, q_len, head_dim)
         return out.transpose(1, 2).reshape(batch, q_len, heads * head_dim)
 
+    def attend_exact(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
+    ) -> torch.Tensor:
+        """Causal attention of ``q`` new tokens at positions ``start ..`` through the
+        row-invariant kernel: ``query (H, q, hd)``, ``keys/values (kvH, start + q, hd)``
+        -> ``(1, q, H * hd)``; token ``t`` sees keys ``0 .. start + t``, and its output is
+        bitwise what a one-token step at ``start + t`` computes."""
+        q_len = query.shape[1]
+        lengths = torch.arange(start + 1, start + q_len + 1)
+        out = attend_rows(query, keys, values, lengths, self._scaling)  # (H, q, hd)
+        return out.transpose(0, 1).reshape(1, q_len, self.num_heads * self.head_dim)
+
     def _attention_item(
         self,
         layer_index: int,
@@ -457,7 +503,9 @@ class SublayerEngine:
         end = start + q_len
         keys = cache.keys(layer_index, end).unsqueeze(0)
         values = cache.values(layer_index, end).unsqueeze(0)
-        if start == 0 and q_len > 1:
+        if self.exact and (start > 0 or q_len == 1) and q_len <= EXACT_MAX_QUERIES:
+            attended = self.attend_exact(query[0], keys[0], values[0], start)
+        elif start == 0 and q_len > 1:
             attended = self._attend(query, keys, values, None, is_causal=True)
         elif q_len == 1:
             attended = self._attend(query, keys, values, None)

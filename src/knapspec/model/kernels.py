@@ -91,16 +91,31 @@ def transposed_padded(
     return _transposed(x, weight, bias, pad=True)
 
 
+def rowwise(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Each row its own one-row ``F.linear``: row-invariant by construction (a row's result
+    is the one-row product's), at one pass over ``W`` per row. The exact fallback where no
+    faster kernel keeps the contract (:mod:`knapspec.model.invariance`); never timed."""
+    in_features = x.shape[-1]
+    flat = x.reshape(-1, in_features)
+    if flat.shape[0] <= 1:
+        return F.linear(x, weight, bias)
+    rows = [F.linear(flat[i : i + 1], weight, bias) for i in range(flat.shape[0])]
+    return torch.cat(rows).view(*x.shape[:-1], weight.shape[0])
+
+
 #: The candidate kernels by name; ``f.linear`` first (it wins ties).
 KERNELS: dict[str, Kernel] = {
     "f.linear": f_linear,
     "transposed": transposed,
     "transposed-padded": transposed_padded,
     "onednn": onednn_packed,  # ONEDNN_KERNEL
+    "rowwise": rowwise,  # ROWWISE_KERNEL: the exact fallback, never a timing candidate
 }
 PLAIN_KERNEL = "f.linear"
 #: oneDNN's packed product (its weights are reordered when a table that runs it is adopted).
 ONEDNN_KERNEL = "onednn"
+#: One row at a time (:func:`rowwise`).
+ROWWISE_KERNEL = "rowwise"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -324,6 +339,7 @@ __all__ = [
     "KERNELS",
     "ONEDNN_KERNEL",
     "PLAIN_KERNEL",
+    "ROWWISE_KERNEL",
     "SMALL_ROWS",
     "Kernel",
     "KernelTable",
@@ -331,6 +347,7 @@ __all__ = [
     "linear",
     "padded_rows",
     "parse_shape",
+    "rowwise",
     "shape_name",
     "transposed",
     "transposed_padded",

@@ -1,0 +1,233 @@
+"""Row-invariant attention: the attention half of the exactness contract.
+
+The contract (``docs/theory.md``): verifying ``k`` drafted tokens in one pass computes, for
+each of them, logits *bitwise equal* to a one-token step at its position. PyTorch's
+``scaled_dot_product_attention`` on CPU does not give that. Its blocking and its BLAS
+calls depend on how many queries ride along: with 2 to 16 queries against 5 to 2048 cached
+keys, a query's output differed from its one-query result in most cases tried, in float32
+and bfloat16 alike (2-core AMD EPYC, torch 2.13). In bfloat16 the top two logits are often
+near-tied, so greedy speculative decoding drifted from plain decoding within tens of tokens.
+
+So attention over cached keys runs through one small C kernel (``csrc/row_attention.c``)
+whose every query row is computed by the same code in the same order, whatever other rows
+are in the call: the output of a row depends only on its query, the keys and values it may
+see and their count. A one-token step and a ``k``-token verification then agree bitwise by
+construction, not by luck of the BLAS.
+
+The kernel is compiled on first use with the system C compiler (about a second, with
+``-march=native`` for the machine at hand) into the per-user cache, keyed by the source,
+the compiler and the CPU's flags. Where no compiler works the engine falls back to one
+``scaled_dot_product_attention`` call per query row (exact, but it reads the cache once per
+row) and says so once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).resolve().parent / "csrc" / "row_attention.c"
+#: The kernel's dtype codes.
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-Wno-psabi")
+
+#: Up to this many new tokens (a decode step, a verification, a short turn) attend through
+#: the row-invariant kernel when the engine is exact; a longer chunk is a prefill, which
+#: plain and speculative decoding share, and runs PyTorch's fused attention.
+EXACT_MAX_QUERIES = 64
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cpu_flags() -> str:
+    """The CPU's model name and flags (a kernel built with ``-march=native`` on one CPU
+    may not run on another sharing the same cache)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    wanted = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(wanted)))
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def library_path() -> Path:
+    """Where the compiled kernel for this source, compiler and CPU is cached."""
+    from knapspec.model.provision import cache_root
+
+    compiler = _compiler() or "none"
+    digest = hashlib.sha256()
+    digest.update(_SOURCE.read_bytes())
+    digest.update(compiler.encode())
+    digest.update(" ".join(_FLAGS).encode())
+    digest.update(_cpu_flags().encode())
+    return cache_root() / "kernels" / f"row_attention-{digest.hexdigest()[:16]}.so"
+
+
+def _build(target: Path) -> None:
+    compiler = _compiler()
+    if compiler is None:
+        raise OSError("no C compiler (cc or gcc) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Compile beside the target and rename: two processes building at once each write
+    # their own file, and the rename is atomic, so nobody loads a half-written library.
+    handle, temporary = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(handle)
+    try:
+        subprocess.run(
+            [compiler, *_FLAGS, "-o", temporary, str(_SOURCE), "-lm"],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        os.replace(temporary, target)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+
+
+def load_library() -> ctypes.CDLL | None:
+    """The compiled kernel, building it on first use; None where it cannot be built or
+    loaded (the reason is logged once)."""
+    global _library, _tried
+    with _lock:
+        if _tried:
+            return _library
+        _tried = True
+        try:
+            path = library_path()
+            if not path.exists():
+                logger.info("knapspec: compiling the row-invariant attention kernel into %s", path)
+                _build(path)
+            library = ctypes.CDLL(str(path))
+            function = library.knapspec_attend
+            function.restype = ctypes.c_int
+            function.argtypes = [
+                *(ctypes.c_void_p,) * 5,
+                ctypes.c_int,
+                *(ctypes.c_int64,) * 7,
+                ctypes.c_float,
+                ctypes.c_int,
+            ]
+            _library = library
+        except (OSError, subprocess.SubprocessError, AttributeError) as error:
+            detail = getattr(error, "stderr", b"") or b""
+            logger.warning(
+                "knapspec: the row-invariant attention kernel is unavailable (%s%s); "
+                "verification attends one query at a time instead (exact, slower)",
+                error,
+                f": {detail.decode(errors='replace')[:200]}" if detail else "",
+            )
+            _library = None
+        return _library
+
+
+def kernel_available(dtype: torch.dtype) -> bool:
+    """Whether the compiled kernel serves ``dtype`` on CPU here."""
+    return dtype in _DTYPES and load_library() is not None
+
+
+def attend_rows(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Grouped-query attention where query row ``i`` sees keys ``0 .. lengths[i] - 1``.
+
+    Args:
+        query: ``(H, q, hd)`` query heads (contiguous after this call's copy if not).
+        keys, values: ``(kvH, N, hd)`` with the last dimension contiguous (a view of the
+            cache's buffers is fine); query head ``h`` reads K/V head ``h // (H / kvH)``.
+        lengths: ``(q,)`` int64, ``1 <= lengths[i] <= N``.
+        scale: the softmax scale.
+
+    Returns:
+        ``(H, q, hd)`` in the query's dtype. Row ``(h, i)`` is a function of
+        ``query[h, i]``, ``keys/values[h // groups, :lengths[i]]`` alone (bitwise).
+    """
+    heads, q_len, head_dim = query.shape
+    kv_heads, n_keys, _ = keys.shape
+    if query.device.type != "cpu" or query.dtype not in _DTYPES:
+        return _attend_one_by_one(query, keys, values, lengths, scale)
+    library = load_library()
+    if library is None:
+        return _attend_one_by_one(query, keys, values, lengths, scale)
+    if keys.stride() != values.stride() or keys.stride(-1) != 1:
+        keys, values = keys.contiguous(), values.contiguous()
+    query = query.contiguous()
+    out = torch.empty_like(query)
+    # Row (h, i) of head h = g * groups + t sits at row t * q + i of K/V head g's block.
+    row_lengths = lengths.to(torch.int64).repeat(heads).contiguous()
+    rows_per_kv_head = heads // kv_heads * q_len
+    threads = torch.get_num_threads()
+    status = library.knapspec_attend(
+        query.data_ptr(),
+        keys.data_ptr(),
+        values.data_ptr(),
+        out.data_ptr(),
+        row_lengths.data_ptr(),
+        _DTYPES[query.dtype],
+        kv_heads,
+        rows_per_kv_head,
+        head_dim,
+        keys.stride(0),
+        keys.stride(1),
+        n_keys,
+        _chunk_rows(kv_heads, rows_per_kv_head, threads),
+        float(scale),
+        threads,
+    )
+    if status:  # only an allocation failure
+        raise RuntimeError(f"row-invariant attention kernel failed (status {status})")
+    return out
+
+
+def _chunk_rows(kv_heads: int, rows_per_kv_head: int, threads: int) -> int:
+    """Rows per task: all of a K/V head's rows together (each key loaded once for them)
+    unless that leaves a thread idle; the split changes no row's arithmetic."""
+    if kv_heads % threads == 0 or kv_heads >= 4 * threads:
+        return rows_per_kv_head
+    return max(1, -(-rows_per_kv_head * kv_heads // (threads * kv_heads)))
+
+
+def _attend_one_by_one(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The fallback: each query position in its own one-query call (what a one-token step
+    runs), so every row is computed exactly as a one-token step computes it."""
+    heads, q_len, head_dim = query.shape
+    kv_heads = keys.shape[0]
+    groups = heads // kv_heads
+    rows = []
+    for i, length in enumerate(lengths.tolist()):
+        packed = query[:, i].reshape(1, kv_heads, groups, head_dim)
+        rows.append(
+            F.scaled_dot_product_attention(
+                packed, keys[None, :, :length], values[None, :, :length], scale=scale
+            ).reshape(heads, 1, head_dim)
+        )
+    return torch.cat(rows, dim=1)
