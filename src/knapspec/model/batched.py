@@ -180,10 +180,7 @@ def _exact_attention(
     pieces = []
     offset = 0
     for row, (start, width) in enumerate(zip(starts, widths, strict=True)):
-        if packed:
-            row_query = query[0, :, offset : offset + width]
-        else:
-            row_query = query[row, :, :width]
+        row_query = query[0, :, offset : offset + width] if packed else query[row, :, :width]
         pieces.append(
             engine.attend_exact(
                 row_query,
@@ -315,9 +312,13 @@ def forward_batch(
     groups = engine.kv_groups
     row_widths_all = list(widths) if widths is not None else [q_len] * rows
     exact = engine.exact and max(row_widths_all) <= EXACT_MAX_QUERIES
-    split = not exact and packing is not None and (
-        attention == "split"
-        or (attention == "auto" and splits_attention(rows, q_len, int(row_of.numel())))
+    split = (
+        not exact
+        and packing is not None
+        and (
+            attention == "split"
+            or (attention == "auto" and splits_attention(rows, q_len, int(row_of.numel())))
+        )
     )
     if split:
         row_widths = list(widths or ())

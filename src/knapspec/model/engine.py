@@ -37,8 +37,8 @@ from torch import nn
 from knapspec.model.autotune import KERNELS_ENV, framework_only, resolve_kernel_table
 from knapspec.model.cache import KVCache
 from knapspec.model.fusion import FusedProjection, fuse_linears
-from knapspec.model.kernels import KERNELS, ONEDNN_KERNEL, PLAIN_KERNEL, Kernel, KernelTable
 from knapspec.model.invariance import InvarianceReport, row_invariant_table
+from knapspec.model.kernels import KERNELS, ONEDNN_KERNEL, PLAIN_KERNEL, Kernel, KernelTable
 from knapspec.model.onednn import prepack
 from knapspec.model.row_attention import EXACT_MAX_QUERIES, attend_rows
 from knapspec.types import SublayerMask
@@ -396,9 +396,7 @@ class SublayerEngine:
             return result
         fused = self._fused_gate_up[layer_index]
         if fused is not None:
-            gated, upward = self._fused(
-                fused, self._fuse_gate_up_rows, x, self._fuse_gate_up_large
-            )
+            gated, upward = self._fused(fused, self._fuse_gate_up_rows, x, self._fuse_gate_up_large)
         else:
             gated, upward = self._project(gate, x), self._project(up, x)
         hidden = act(gated)

@@ -219,7 +219,7 @@ def _attend_one_by_one(
 ) -> torch.Tensor:
     """The fallback: each query position in its own one-query call (what a one-token step
     runs), so every row is computed exactly as a one-token step computes it."""
-    heads, q_len, head_dim = query.shape
+    heads, _, head_dim = query.shape
     kv_heads = keys.shape[0]
     groups = heads // kv_heads
     rows = []

@@ -1,0 +1,227 @@
+"""The exactness contract, tested directly: verifying ``k`` tokens in one pass gives logits
+and K/V bitwise equal to ``k`` one-token steps, in float32 and bfloat16, for Llama and
+Qwen3, every ``k`` and cache length, single sequences and every batch layout — and the
+checks have the power to catch a row-count-dependent kernel (the mutant tests below).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from knapspec.model.engine import SublayerEngine
+from knapspec.model.invariance import is_row_invariant, row_invariant_table
+from knapspec.model.kernels import KERNELS, KernelTable
+from knapspec.model.row_attention import attend_rows, kernel_available
+from knapspec.testing.exactness import batch_mismatches, verification_mismatches
+from knapspec.testing.models import tiny_model
+
+FAMILIES = ("llama", "qwen3")
+DTYPES = (torch.float32, torch.bfloat16)
+VOCAB = 97
+
+
+@functools.cache
+def _engine(family: str, dtype: torch.dtype, exact: bool = True) -> SublayerEngine:
+    model = tiny_model(family).to(dtype)
+    return SublayerEngine(model, exact=exact, kernels=None if exact else "f.linear")
+
+
+def _tokens(count: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (count,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_attention_kernel_builds_here(dtype: torch.dtype) -> None:
+    """CI machines have a C compiler; without it the engine falls back (tested below)."""
+    assert kernel_available(dtype)
+
+
+@given(
+    family=st.sampled_from(FAMILIES),
+    dtype=st.sampled_from(DTYPES),
+    context=st.integers(1, 80),
+    drafted=st.integers(1, 17),
+    seed=st.integers(0, 10_000),
+)
+def test_verification_equals_one_token_steps(
+    family: str, dtype: torch.dtype, context: int, drafted: int, seed: int
+) -> None:
+    engine = _engine(family, dtype)
+    problems = verification_mismatches(engine, _tokens(context, seed), _tokens(drafted, seed + 1))
+    assert problems == []
+
+
+@given(
+    dtype=st.sampled_from(DTYPES),
+    widths=st.lists(st.integers(1, 11), min_size=1, max_size=5),
+    contexts=st.lists(st.integers(1, 40), min_size=5, max_size=5),
+    layout=st.sampled_from(["auto", "padded", "split"]),
+    seed=st.integers(0, 10_000),
+)
+def test_batched_verification_equals_each_row_alone(
+    dtype: torch.dtype, widths: list[int], contexts: list[int], layout: str, seed: int
+) -> None:
+    engine = _engine("llama", dtype)
+    rows = len(widths)
+    problems = batch_mismatches(
+        engine,
+        [_tokens(contexts[r], seed + r) for r in range(rows)],
+        [_tokens(widths[r], seed + 100 + r) for r in range(rows)],
+        attention=layout,  # type: ignore[arg-type]
+    )
+    assert problems == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_padded_batches_equal_each_row_alone(dtype: torch.dtype) -> None:
+    engine = _engine("qwen3", dtype)
+    problems = batch_mismatches(
+        engine,
+        [_tokens(n, n) for n in (3, 30, 17)],
+        [_tokens(6, 50 + r) for r in range(3)],
+        packed=False,
+    )
+    assert problems == []
+
+
+@given(
+    kernel=st.sampled_from(sorted(KERNELS)),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 100),
+)
+def test_the_engine_keeps_the_contract_under_any_forced_kernel(
+    kernel: str, dtype: torch.dtype, seed: int
+) -> None:
+    """A table forcing one kernel everywhere is probed: a kernel that breaks the contract
+    here is replaced, so the exact engine stays exact whatever the table asked for."""
+    model = tiny_model("llama").to(dtype)
+    shapes = sorted({tuple(p.shape) for n, p in model.named_parameters() if p.dim() == 2})
+    table = KernelTable.uniform(shapes, kernel, fuse=seed % 2 == 0)  # type: ignore[arg-type]
+    engine = SublayerEngine(model, kernels=table)
+    assert verification_mismatches(engine, _tokens(20, seed), _tokens(9, seed + 1)) == []
+
+
+def test_rowwise_is_row_invariant_by_construction() -> None:
+    weight = torch.randn(48, 32)
+    assert is_row_invariant(KERNELS["rowwise"], weight, None)
+
+
+# ----------------------------------------------------------------- the checks' power
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_row_count_dependent_engine_fails_the_contract(family: str) -> None:
+    """The mutant: the framework's own products and attention (what the engine ran before
+    the contract). In float32 on this machine's BLAS they break it; the check sees it."""
+    engine = _engine(family, torch.float32, exact=False)
+    if is_row_invariant(KERNELS["f.linear"], torch.randn(64, 64), None):
+        pytest.skip("this machine's F.linear happens to be row-invariant")
+    assert verification_mismatches(engine, _tokens(30, 1), _tokens(11, 2))
+
+
+def test_a_mutant_kernel_in_an_exact_engine_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bring back a row-count-dependent kernel behind the probe's back: the contract
+    tests must fail (this is the check that they can)."""
+
+    def drifting(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        out = torch.nn.functional.linear(x, weight, bias)
+        return out * (1 + 1e-6 * (rows > 1))  # rounds differently with more rows
+
+    engine = _engine("llama", torch.float32)
+    monkeypatch.setitem(engine._dispatch, (64, 64), tuple([drifting] * 17))
+    assert verification_mismatches(engine, _tokens(12, 3), _tokens(5, 4))
+
+
+def test_the_probe_rejects_a_row_count_dependent_kernel() -> None:
+    def drifting(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.nn.functional.linear(x, weight, bias) * (1 + 1e-6 * (x.shape[0] > 3))
+
+    assert not is_row_invariant(drifting, torch.randn(16, 16), None)
+
+
+def test_the_invariance_report_says_what_runs() -> None:
+    engine = _engine("llama", torch.float32)
+    report = row_invariant_table(engine, engine.kernels, use_cache=False)
+    assert set(report.kernels) >= {"64x64", "97x64"}
+    assert all(kernel in KERNELS for kernel in report.kernels.values())
+    assert "97x64" in report.summary()
+
+
+def test_the_fallback_attention_is_exact_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a compiler the engine attends one query at a time, which is a one-token
+    step per row: still exact."""
+    from knapspec.model import row_attention
+
+    monkeypatch.setattr(row_attention, "load_library", lambda: None)
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(4, 5, 16, generator=generator)
+    keys = torch.randn(2, 30, 16, generator=generator)
+    values = torch.randn(2, 30, 16, generator=generator)
+    lengths = torch.arange(26, 31)
+    together = attend_rows(query, keys, values, lengths, 0.25)
+    for i in range(5):
+        alone = attend_rows(query[:, i : i + 1], keys, values, lengths[i : i + 1], 0.25)
+        assert torch.equal(together[:, i : i + 1], alone)
+
+
+@given(
+    dtype=st.sampled_from(DTYPES),
+    heads=st.sampled_from([(4, 2), (6, 3), (4, 4)]),
+    head_dim=st.sampled_from([8, 16, 24, 64]),
+    rows=st.integers(1, 20),
+    start=st.integers(0, 300),
+    seed=st.integers(0, 1000),
+)
+def test_the_attention_kernel_is_row_invariant_and_correct(
+    dtype: torch.dtype, heads: tuple[int, int], head_dim: int, rows: int, start: int, seed: int
+) -> None:
+    """Each query row alone equals it among ``rows`` others (bitwise), and the result is
+    softmax attention (float64 reference, to the dtype's precision)."""
+    query_heads, kv_heads = heads
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(query_heads, rows, head_dim, generator=generator).to(dtype)
+    keys = torch.randn(kv_heads, start + rows, head_dim, generator=generator).to(dtype)
+    values = torch.randn(kv_heads, start + rows, head_dim, generator=generator).to(dtype)
+    lengths = torch.arange(start + 1, start + rows + 1)
+    scale = head_dim**-0.5
+    together = attend_rows(query, keys, values, lengths, scale)
+    for i in range(rows):
+        alone = attend_rows(query[:, i : i + 1], keys, values, lengths[i : i + 1], scale)
+        assert torch.equal(together[:, i : i + 1], alone)
+    groups = query_heads // kv_heads
+    k64 = keys.double().repeat_interleave(groups, 0)
+    v64 = values.double().repeat_interleave(groups, 0)
+    scores = query.double() @ k64.transpose(1, 2) * scale
+    visible = torch.arange(start + rows)[None] < lengths[:, None]
+    expected = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ v64
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(together.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_probe_verdicts_are_cached_and_a_bad_cache_file_is_probed_again(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from knapspec.model import invariance
+
+    monkeypatch.setenv("KNAPSPEC_CACHE", str(tmp_path))
+    engine = _engine("llama", torch.float32)
+    first = row_invariant_table(engine, engine.kernels)
+    path = invariance._cache_path(engine, engine.kernels)
+    assert path.exists()
+
+    def no_probe(*args: object, **kwargs: object) -> bool:
+        raise AssertionError("the cached verdicts should have been used")
+
+    monkeypatch.setattr(invariance, "is_row_invariant", no_probe)
+    assert row_invariant_table(engine, engine.kernels).kernels == first.kernels
+    monkeypatch.undo()
+    monkeypatch.setenv("KNAPSPEC_CACHE", str(tmp_path))
+    path.write_text("{ not json")
+    with caplog.at_level("WARNING"):
+        again = row_invariant_table(engine, engine.kernels)
+    assert again.kernels == first.kernels
+    assert "probing again" in caplog.text
