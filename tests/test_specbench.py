@@ -29,6 +29,7 @@ from knapspec.bench.specbench import (
     read_answers,
     run_spec_bench,
     select_questions,
+    write_report,
 )
 from knapspec.bench.specbench.answers import append_answer, drop_partial_line
 from knapspec.bench.specbench.calls import commits_after_prefill, generate_call
@@ -375,6 +376,13 @@ def test_a_lossy_decoder_stops_the_run(
         run_spec_bench(model, tokenizer, options)
     assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "failed"
     assert not answer_path(tmp_path / "run", "lossy").exists()
+    # Told not to stop (bfloat16), the run goes on and the report marks the answers.
+    going_on = attrs.evolve(options, output_dir=tmp_path / "on", stop_on_mismatch=False)
+    run_spec_bench(model, tokenizer, going_on)
+    rows = summarise(SpecBenchRunData.load(tmp_path / "on"))
+    (lossy_row,) = [r for r in rows if r.method == "lossy" and r.category == "overall"]
+    assert lossy_row.equal_ar is not None and lossy_row.equal_ar.equal == 0
+    assert "NOT EQUAL" in write_report(tmp_path / "on").read_text()
 
 
 @pytest.mark.slow

@@ -19,12 +19,13 @@ from typing import Any
 
 import attrs
 
-from knapspec.bench.methods import GENERATE, REFERENCE
+from knapspec.bench.methods import GENERATE, HF_PROMPT_LOOKUP, REFERENCE
 from knapspec.bench.specbench.answers import Answer, Equality, compare_answers, read_answers
 from knapspec.bench.specbench.docs import DOCS_END, DOCS_START
 from knapspec.bench.specbench.questions import CATEGORIES
 from knapspec.bench.specbench.runner import ANSWERS, RUN_INFO
 
+KNAPSPEC = "knapspec"
 REPORT = "report.md"
 PLOT = "speedup_by_category.png"
 OVERALL = "overall"
@@ -164,14 +165,20 @@ def by_category_table(rows: Sequence[Row]) -> str:
     methods = [m for m in dict.fromkeys(r.method for r in rows) if m != GENERATE]
     groups = list(dict.fromkeys(r.category for r in rows))
     cell = {(r.method, r.category): r for r in rows}
+    # The default decoder against transformers' prompt lookup (a goal of issue #30).
+    versus = KNAPSPEC in methods and HF_PROMPT_LOOKUP in methods
     body = []
     for group in groups:
         n = max((cell[m, group].questions for m in methods if (m, group) in cell), default=0)
-        body.append(
-            [f"**{group}**" if group == OVERALL else group, str(n)]
-            + [_x(cell[m, group].vs_generate) if (m, group) in cell else "–" for m in methods]
-        )
-    return _table(["category", "questions", *methods], body)
+        line = [f"**{group}**" if group == OVERALL else group, str(n)]
+        line += [_x(cell[m, group].vs_generate) if (m, group) in cell else "–" for m in methods]
+        if versus:
+            ours, theirs = cell[KNAPSPEC, group].vs_generate, cell[HF_PROMPT_LOOKUP, group]
+            ratio = ours / theirs.vs_generate if ours and theirs.vs_generate else None
+            line.append(_x(ratio))
+        body.append(line)
+    extra = [f"{KNAPSPEC} vs {HF_PROMPT_LOOKUP}"] if versus else []
+    return _table(["category", "questions", *methods, *extra], body)
 
 
 def detail_table(rows: Sequence[Row]) -> str:
@@ -353,6 +360,17 @@ def docs_section(runs: Sequence[SpecBenchRunData], docs: Path, reproduce: str) -
         "```bash",
         reproduce,
         "```",
+        "",
+        "It runs `model.generate`, plain decoding through our engine (`ar`), the default "
+        "decoder (`knapspec`), transformers' prompt lookup (`hf-prompt-lookup`, k = 10), "
+        "KnapSpec with the lookup drafter only and with layer skipping only, 105 turns each "
+        "(about one to two hours on 2 cores); an interrupted run resumes when the command is "
+        "repeated. bfloat16: the same with `--dtype bfloat16 --output-dir "
+        "results/bench/spec-bench-bf16 --no-stop-on-mismatch` (the report then counts the "
+        "answers that differ from plain decoding instead of stopping at the first). "
+        "`knapspec bench spec-bench report RUN_DIR [RUN_DIR ...] --docs docs/benchmarks.md` "
+        "rewrites this section from the runs' answer files; `knapspec bench report --docs` "
+        "keeps it.",
         "",
     ]
     for data in runs:

@@ -81,6 +81,9 @@ class SpecBenchOptions:
         command, question_file: recorded in ``run.json``.
         question_order: the ids of the whole question file, in order (answer files are
             sorted by it when the run completes).
+        stop_on_mismatch: raise when one of our decoders answers differently from plain
+            decoding (the default); off, the answer is written and the report marks it
+            (for bfloat16, where a batched verify step may round a near tie otherwise).
     """
 
     questions: tuple[Question, ...] = attrs.field(converter=_tuple)
@@ -94,6 +97,7 @@ class SpecBenchOptions:
     command: str = ""
     question_file: str = ""
     question_order: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
+    stop_on_mismatch: bool = True
 
     def __attrs_post_init__(self) -> None:
         names = [method.name for method in self.methods]
@@ -263,7 +267,8 @@ class SpecBenchRun:
             for index, (question, methods) in enumerate(todo):
                 order = methods if index % 2 == 0 else methods[::-1]
                 answers = self._question(question, order, bar)
-                self._check(question, answers, reference)
+                if options.stop_on_mismatch:
+                    self._check(question, answers, reference)
                 for answer in answers.values():
                     append_answer(answer_path(options.output_dir, answer.method), answer)
                 if REFERENCE in answers:
