@@ -81,7 +81,7 @@ from knapspec.model.onednn import (
 from knapspec.model.provision import cache_root
 
 if TYPE_CHECKING:
-    from knapspec.model.engine import SublayerEngine
+    from knapspec.model.tunable import TunableEngine
 
 #: Bump when the candidates or the measurement change, so that cached tables are re-tuned.
 AUTOTUNE_REVISION = 3
@@ -108,7 +108,7 @@ class KernelKey:
     memory_gib: int = 0
 
     @classmethod
-    def for_engine(cls, engine: SublayerEngine, max_rows: int = SMALL_ROWS) -> KernelKey:
+    def for_engine(cls, engine: TunableEngine, max_rows: int = SMALL_ROWS) -> KernelKey:
         separate, fused = linear_roles(engine)
         shapes = ",".join(
             f"{role.name}:{shape_name(role.shape)}x{len(role.tensors)}"
@@ -169,7 +169,7 @@ class TuneResult:
 
 
 def tune_kernel_table(
-    engine: SublayerEngine,
+    engine: TunableEngine,
     *,
     max_rows: int = SMALL_ROWS,
     repeats: int = 2,
@@ -248,7 +248,7 @@ def kernel_table_path(key: KernelKey) -> Path:
 
 
 def load_or_tune(
-    engine: SublayerEngine,
+    engine: TunableEngine,
     *,
     progress: bool | None = None,
     tune: Callable[..., TuneResult] = tune_kernel_table,
@@ -273,7 +273,7 @@ def load_or_tune(
     )
 
 
-def framework_only(engine: SublayerEngine) -> bool:
+def framework_only(engine: TunableEngine) -> bool:
     """True where the engine uses the framework's own products with nothing to tune:
     a non-CPU device, or a dtype other than float32 (bf16/fp16 then match the model's own
     products exactly)."""
@@ -281,7 +281,7 @@ def framework_only(engine: SublayerEngine) -> bool:
 
 
 def resolve_kernel_table(
-    engine: SublayerEngine, spec: KernelTable | str | None, *, progress: bool | None = None
+    engine: TunableEngine, spec: KernelTable | str | None, *, progress: bool | None = None
 ) -> KernelTable:
     """The table an engine runs for ``spec``.
 
