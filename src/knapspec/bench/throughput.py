@@ -290,7 +290,7 @@ def run_throughput(harness: Harness, scenario: Scenario, context: int) -> None:
                     accepted_tokens=result.accepted_tokens,
                     prefill_seconds=result.prefill_seconds,
                 )
-                append_jsonl(harness.run_dir / THROUGHPUT, record.to_json(harness._extra()))
+                append_jsonl(harness.run_dir / THROUGHPUT, record.to_json(harness.record_extra()))
 
 
 __all__ = [

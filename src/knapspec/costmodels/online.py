@@ -193,7 +193,7 @@ class OnlineCalibratedCostModel(CostModel):
         self._initial_variance = variance
         self.time_unit_ = self.prior.step_cost(REFERENCE_CONTEXT)
         draft_rls = RecursiveLeastSquares(self.forgetting_factor, variance)
-        draft_rls._initialize(4)
+        draft_rls.initialize(4)
         self._pending: list[LatencyObservation] = []
         self._verify_last_update: dict[int, int] = {}  # width -> verify clock at its update
         self._verify_clock = 0
@@ -246,7 +246,7 @@ class OnlineCalibratedCostModel(CostModel):
         rls = blocks.get(tokens)
         if rls is None:
             rls = RecursiveLeastSquares(self.forgetting_factor, self._initial_variance)
-            rls._initialize(2)
+            rls.initialize(2)
             blocks[tokens] = rls
         return rls
 
