@@ -49,9 +49,7 @@ from knapspec.decoding.batch_policy import (
     PlainBatchPolicy,
 )
 from knapspec.decoding.run import GenerationResult, LogitsProcessor, Run
-from knapspec.drafters.base import LOOKUP, SUBNETWORK, Drafter
-from knapspec.drafters.lookup import LookupDrafter
-from knapspec.drafters.subnetwork import SubnetworkDrafter
+from knapspec.drafters.base import Drafter
 from knapspec.model.engine import ContextLengthError, SublayerEngine
 from knapspec.planners.base import Planner, PlanningContext
 from knapspec.proxies.base import ValueProxy
@@ -144,11 +142,13 @@ class SpeculativeDecoder:
         self._batch_calibration = BatchPassCalibration()
         self._batch_draft_calibration = BatchPassCalibration()
         self._calibrated_cost_model = self.cost_model
-        self._subnetwork = SubnetworkDrafter()
-        #: The drafters whose proposals the planner reads before planning (its
-        #: ``proposal_drafters()``), built from their ``[drafters.NAME]`` params.
-        self.drafters: list[Drafter] = build_drafters(
-            self.config, self.engine, self.planner.proposal_drafters()
+        #: By registered name, every drafter the planner's plans may name (its
+        #: ``plan_drafters()``), built from their ``[drafters.NAME]`` params.
+        self.drafters: dict[str, Drafter] = build_drafters(
+            self.config,
+            self.engine,
+            self.planner.plan_drafters(),
+            proposers=self.planner.proposal_drafters(),
         )
         # generate() uses the cache and window above: one call at a time.
         self._lock = threading.Lock()
@@ -335,12 +335,11 @@ class SpeculativeDecoder:
                     self.max_draft_length,
                     calibration=self._batch_calibration,
                     draft_calibration=self._batch_draft_calibration,
-                    lookup=LOOKUP in self.planner.proposal_drafters(),
+                    lookup=bool(self.planner.proposal_drafters()),
                 )
                 if self.cost_model is not None
                 else PlainBatchPolicy()
             )
-        lookup = next((d for d in self.drafters if isinstance(d, LookupDrafter)), None)
         with self._lock:
             run = BatchRun(
                 self.engine,
@@ -351,7 +350,8 @@ class SpeculativeDecoder:
                 params=params,
                 policy=policy,
                 max_draft_length=self.max_draft_length,
-                lookup=lookup,
+                drafters=self.drafters,
+                proposers=self.planner.proposal_drafters(),
                 generators=generators,
                 plan_subnetwork=self._batch_subnetwork_planner(params, limit),
                 capture_points=self.planner.uses_window,
@@ -362,8 +362,9 @@ class SpeculativeDecoder:
     def _batch_subnetwork_planner(
         self, params: SamplingParams, max_new_tokens: int
     ) -> SubnetworkPlanner:
-        """What a batch asks the planner after its first row's prefill: the sub-network
-        it would draft that row with (None when it plans γ = 0 or another drafter). The
+        """What a batch asks the planner after its first row's prefill: the drafter and
+        mask it would draft that row with, when that drafter drafts a batch's rows
+        together (None when it plans γ = 0 or a drafter that drafts row by row). The
         planner's single-sequence state is reset first, as every ``generate`` does."""
 
         def plan(
@@ -393,11 +394,14 @@ class SpeculativeDecoder:
                     proposals=(),
                 )
             )
-            if decision.drafter != SUBNETWORK or decision.draft_length == 0:
+            drafter = self.drafters.get(decision.drafter)
+            if drafter is None or not drafter.drafts_rows_together or not decision.draft_length:
                 return None
             prior = decision.predicted_acceptance
             prior = 0.5 if prior is None else min(max(prior, 0.01), 0.99)
-            return BatchSubnetwork(decision.mask, prior, source=decision.source)
+            return BatchSubnetwork(
+                decision.mask, prior, source=decision.source, drafter=decision.drafter
+            )
 
         return plan
 
@@ -420,7 +424,22 @@ class SpeculativeDecoder:
                 seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
             generator.manual_seed(seed)
         run = Run(
-            self, prompt, max_new_tokens, stop_ids, params, generator, streamer, logits_processor
+            self.engine,
+            self._cache,
+            self._window,
+            self.planner,
+            self.drafters,
+            cost_model=self.cost_model,
+            proxy=self.proxy,
+            max_draft_length=self.max_draft_length,
+            confidence_threshold=self.confidence_threshold,
+            prompt=prompt,
+            max_new_tokens=max_new_tokens,
+            stop_ids=stop_ids,
+            params=params,
+            generator=generator,
+            streamer=streamer,
+            logits_processor=logits_processor,
         )
         return run.execute()
 
