@@ -50,10 +50,11 @@ from knapspec.decoding.arguments import batch_prompts
 from knapspec.decoding.batch_policy import BatchDraftPolicy, BatchSubnetwork, RoundPlan
 from knapspec.decoding.run import PREFILL_WINDOW_TOKENS
 from knapspec.decoding.stats import GenerationStats
-from knapspec.decoding.verify import check_finite, verify_greedy, verify_sampling
+from knapspec.decoding.verify import NonFiniteLogitsError, verify_greedy, verify_sampling
 from knapspec.drafters.base import NO_DRAFT, BatchDraftRequest, Draft, Drafter, DraftRequest
 from knapspec.model.batched import forward_batch, new_batch_cache
 from knapspec.sampling import SamplingParams, processed_probs, sample_token
+from knapspec.validators import check_finite
 
 if TYPE_CHECKING:
     from knapspec.model.batch_cache import BatchKVCache
@@ -244,7 +245,7 @@ class BatchRun:
             capture_points=capture,
             capture_last=min(PREFILL_WINDOW_TOKENS, prompt.numel()) if capture else None,
         )
-        check_finite(out.logits, f"prefill of row {row}")
+        check_finite(out.logits, f"prefill of row {row}", error=NonFiniteLogitsError.during)
         cache.append_row(self.scratch, prompt.numel())
         active.append(row)
         token = self._choose(row, out.logits[-1])
@@ -302,7 +303,7 @@ class BatchRun:
         verify_start = self._now()
         # (Σ widths, vocab): row after row, only the real tokens' logits.
         logits = forward_batch(engine, inputs, contexts, cache, widths=widths, packed_logits=True)
-        check_finite(logits, "batched verification")
+        check_finite(logits, "batched verification", error=NonFiniteLogitsError.during)
         new_lengths = []
         offset = 0
         for slot, row in enumerate(active):

@@ -17,7 +17,7 @@ import torch
 
 from knapspec.costmodels.base import LatencyObservation
 from knapspec.decoding.stats import GenerationStats, PlanRecord
-from knapspec.decoding.verify import check_finite, verify_greedy, verify_sampling
+from knapspec.decoding.verify import NonFiniteLogitsError, verify_greedy, verify_sampling
 from knapspec.drafters.base import (
     NO_DRAFT,
     Draft,
@@ -29,6 +29,7 @@ from knapspec.drafters.base import (
 from knapspec.planners.base import Planner, PlanningContext
 from knapspec.sampling import SamplingParams, processed_probs, sample_token
 from knapspec.types import DraftPlan, StepOutcome, SublayerMask
+from knapspec.validators import check_finite
 
 if TYPE_CHECKING:
     from transformers.generation.streamers import BaseStreamer
@@ -180,7 +181,7 @@ class Run:
             capture_points=capture,
             capture_last=seed,
         )
-        check_finite(out.logits, "prefill")
+        check_finite(out.logits, "prefill", error=NonFiniteLogitsError.during)
         if out.points is not None and seed:
             # Target tokens for the seed: the model's argmax after each seed token.
             seed_logits = engine.logits(out.hidden[-seed:])
@@ -348,7 +349,7 @@ class Run:
         verify_start = self._now()
         inputs = torch.tensor([pending, *draft.tokens], device=engine.device)
         out = engine.forward(inputs, n, self.cache, capture_points=capture)
-        check_finite(out.logits, "verification")
+        check_finite(out.logits, "verification", error=NonFiniteLogitsError.during)
         target_next = out.logits.argmax(dim=-1) if capture else None
         drafts = list(draft.tokens)
         scores = self._process(out.logits, drafts)

@@ -6,7 +6,7 @@ import attrs
 import torch
 
 from knapspec.costmodels.base import LatencyObservation
-from knapspec.decoding.verify import check_finite
+from knapspec.decoding.verify import NonFiniteLogitsError
 from knapspec.drafters.base import (
     DRAFTERS,
     SUBNETWORK,
@@ -17,6 +17,7 @@ from knapspec.drafters.base import (
     TokenChooser,
 )
 from knapspec.model.batched import forward_batch
+from knapspec.validators import check_finite
 
 
 @attrs.frozen
@@ -62,7 +63,7 @@ class SubnetworkDrafter(Drafter):
                 torch.tensor([token], device=engine.device), position, target.cache, mask
             )
             logits = out.logits[0]
-            check_finite(logits, "drafting")
+            check_finite(logits, "drafting", error=NonFiniteLogitsError.during)
             token, q = target.choose(logits, drafts)
             if q is not None:
                 probs.append(q)
@@ -107,7 +108,7 @@ class SubnetworkDrafter(Drafter):
                 logits = forward_batch(
                     engine, inputs, starts, cache, all_logits=False, mask=request.mask
                 )
-                check_finite(logits, "batched drafting")
+                check_finite(logits, "batched drafting", error=NonFiniteLogitsError.during)
                 for slot in range(len(current)):
                     # The step's input sits at starts[slot]: it picks the next position.
                     current[slot], q = request.choose(slot, logits[slot], starts[slot] + 1)
