@@ -869,7 +869,7 @@ def test_default_cost_model_profiles_once_then_loads_the_cache(
     default_cost_model(engine)
     assert calls == [True]  # loaded, not re-profiled
     cached.write_text("{corrupt")
-    with pytest.warns(RuntimeWarning, match="not valid JSON"):
+    with pytest.warns(RuntimeWarning, match="unreadable .JSONDecodeError"):
         default_cost_model(engine)
     assert calls == [True, True] and LatencyProfile.load(cached)
 

@@ -21,6 +21,7 @@ The package: this module runs the command and turns errors into exit codes;
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Sequence
 
 from knapspec.cli.common import PROG, RunError, UsageError
@@ -30,6 +31,7 @@ from knapspec.cli.parser import build_parser
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``knapspec`` command line; returns the process exit code."""
+    _one_line_cache_warnings()
     try:
         return _main(argv)
     except KeyboardInterrupt:  # anywhere, the heavy imports included
@@ -78,6 +80,29 @@ def _error_classes() -> tuple[tuple[type[Exception], ...], tuple[type[Exception]
         ProfileError,
     )
     return usage, run
+
+
+def _one_line_cache_warnings() -> None:
+    """Print the library's cache warnings (a bad cache file, measured again) as one
+    ``knapspec: warning: ...`` line instead of Python's two (place, then source line)."""
+    default = warnings.formatwarning
+    if getattr(default, "knapspec", False):
+        return
+
+    def one_line(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        line: str | None = None,
+    ) -> str:
+        # By module name: importing the class here would import torch (module docstring).
+        if category.__module__ == "knapspec.model.cachefiles":
+            return f"{PROG}: warning: {message}\n"
+        return default(message, category, filename, lineno, line)
+
+    one_line.knapspec = True  # type: ignore[attr-defined]
+    warnings.formatwarning = one_line
 
 
 def _error(message: str) -> None:

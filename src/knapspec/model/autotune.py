@@ -40,9 +40,7 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import time
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from knapspec.model import cachefiles
 from knapspec.model.kernel_timing import (
     DEFAULT_MARGIN,
     DEFAULT_VALIDATE_ROWS,
@@ -254,35 +253,24 @@ def load_or_tune(
     progress: bool | None = None,
     tune: Callable[..., TuneResult] = tune_kernel_table,
 ) -> TuneResult:
-    """The cached table for this machine and model shape, measured on first use."""
+    """The cached table for this machine and model shape, measured on first use.
+
+    A bad cache file (truncated, garbage, another key or version) or an unwritable cache
+    costs one warning and a measurement, never an error (:mod:`knapspec.model.cachefiles`).
+    """
     key = KernelKey.for_engine(engine)
-    path = kernel_table_path(key)
-    if path.exists():
-        try:
-            cached = TuneResult.from_dict(json.loads(path.read_text(encoding="utf-8")))
-            if cached.key == key:
-                return cached
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            warnings.warn(
-                f"kernel table {path} is unreadable ({error!r}); measuring again",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-    result = tune(engine, progress=progress)
-    _write_atomic(path, json.dumps(result.to_dict(), indent=1) + "\n")
-    return result
 
+    def mismatch(cached: TuneResult) -> str | None:
+        return None if cached.key == key else "was measured for another machine or version"
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=".kernels-", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    return cachefiles.load_or_measure(
+        kernel_table_path(key),
+        parse=lambda text: TuneResult.from_dict(json.loads(text)),
+        valid=mismatch,
+        measure=lambda: tune(engine, progress=progress),
+        render=lambda result: json.dumps(result.to_dict(), indent=1) + "\n",
+        what="kernel table",
+    )
 
 
 def framework_only(engine: TunableEngine) -> bool:
