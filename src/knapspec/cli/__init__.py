@@ -14,8 +14,9 @@ during those imports is caught too.
 The package: this module runs the command and turns errors into exit codes;
 :mod:`~knapspec.cli.parser` builds the parser; :mod:`~knapspec.cli.generate` (one prompt),
 :mod:`~knapspec.cli.batch` (``--prompts-file``), :mod:`~knapspec.cli.plan` (``plan``,
-``profile``) and :mod:`~knapspec.cli.tune` (``tune``) do the work, reading their input through :mod:`~knapspec.cli.inputs`;
-:mod:`~knapspec.cli.common` holds what they and the ``bench`` harness share.
+``profile``) and :mod:`~knapspec.cli.tune` (``tune``) do the work, reading their input
+through :mod:`~knapspec.cli.inputs`; :mod:`~knapspec.cli.common` holds what they and the
+``bench`` harness share.
 """
 
 from __future__ import annotations
