@@ -34,6 +34,7 @@ from knapspec.decoding.arguments import (
     new_token_limit,
     row_generators,
     sampling_params,
+    single_prompt,
     stop_set,
 )
 from knapspec.decoding.batch import (
@@ -261,7 +262,7 @@ class SpeculativeDecoder:
                 eos_token_id=eos_token_id,
                 sampling=sampling,
             )
-        prompt = self._validate_prompt(input_ids)  # type: ignore[arg-type]
+        prompt = single_prompt(input_ids, self.engine)  # type: ignore[arg-type]
         max_new_tokens = new_token_limit(max_new_tokens)
         self.engine.check_context(prompt.numel() + max_new_tokens)
         params = sampling_params(sampling) if sampling is not None else self.sampling
@@ -442,28 +443,6 @@ class SpeculativeDecoder:
             logits_processor=logits_processor,
         )
         return run.execute()
-
-    def _validate_prompt(self, input_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
-        ids = torch.as_tensor(input_ids)
-        if ids.dim() == 2:
-            if ids.shape[0] != 1:
-                raise ValueError(
-                    f"input_ids has {ids.shape[0]} rows: pass attention_mask "
-                    f"(torch.ones_like(input_ids) for a batch without padding) or a list of "
-                    f"sequences for a batch, or call generate_batch"
-                )
-            ids = ids[0]
-        if ids.dim() != 1:
-            raise ValueError(f"input_ids must have shape (n,) or (1, n), got {tuple(ids.shape)}")
-        if ids.numel() == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
-        if int(ids.min()) < 0 or int(ids.max()) >= self.engine.vocab_size:
-            raise ValueError(
-                f"token ids must be in [0, {self.engine.vocab_size}); got out-of-range ids"
-            )
-        return ids.to(device=self.engine.device, dtype=torch.long)
 
 
 __all__ = ["ContextLengthError", "GenerationResult", "SpeculativeDecoder"]
