@@ -209,7 +209,8 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         calibration: the learned correction of batched verification costs; pass the same
             object to the next batch's policy to keep what it learned (the decoder does).
         draft_calibration: the same for batched sub-network steps (keyed by rows).
-        lookup: whether rows may draft their lookup proposals (False: sub-network only).
+        lookup: whether rows may draft their proposals (lookup's or any drafter's that
+            proposes before planning; False: the shared sub-network only).
     """
 
     def __init__(
