@@ -19,6 +19,7 @@ from typing import Any
 
 import attrs
 
+from knapspec.bench.markdown import markdown_table
 from knapspec.bench.methods import GENERATE, HF_PROMPT_LOOKUP, REFERENCE
 from knapspec.bench.specbench.answers import Answer, Equality, compare_answers, read_answers
 from knapspec.bench.specbench.docs import DOCS_END, DOCS_START
@@ -143,12 +144,6 @@ def summarise(data: SpecBenchRunData) -> list[Row]:
     return [_row(data, method, group) for method in data.answers for group in groups]
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def _x(value: float | None) -> str:
     return "–" if value is None else f"{value:.2f}x"
 
@@ -178,7 +173,7 @@ def by_category_table(rows: Sequence[Row]) -> str:
             line.append(_x(ratio))
         body.append(line)
     extra = [f"{KNAPSPEC} vs {HF_PROMPT_LOOKUP}"] if versus else []
-    return _table(["category", "questions", *methods, *extra], body)
+    return markdown_table(["category", "questions", *methods, *extra], body)
 
 
 def detail_table(rows: Sequence[Row]) -> str:
@@ -218,7 +213,7 @@ def detail_table(rows: Sequence[Row]) -> str:
                 _equal(r.equal_generate),
             ]
         )
-    return _table(header, body)
+    return markdown_table(header, body)
 
 
 def equality_lines(rows: Sequence[Row]) -> list[str]:
