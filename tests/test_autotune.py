@@ -190,10 +190,15 @@ def test_non_cpu_devices_and_other_dtypes_get_the_framework_products() -> None:
     meta = attrs.make_class("Stub", ["device", "dtype"])(torch.device("meta"), torch.float32)
     assert resolve_kernel_table(meta, "auto").is_plain  # type: ignore[arg-type]
     assert resolve_kernel_table(meta, "transposed").source == "framework"  # type: ignore[arg-type]
-    bf16 = SublayerEngine(copy.deepcopy(tiny_model("llama", seed=1)).to(torch.bfloat16))
+    bf16_model = copy.deepcopy(tiny_model("llama", seed=1)).to(torch.bfloat16)
+    bf16 = SublayerEngine(bf16_model, exact=False)
     assert bf16.kernels.is_plain and bf16.kernels.source == "framework"
     assert all(f is None for f in bf16.fusions("qkv"))  # the model's weights untouched
-    assert engine.kernels.source == "measured"
+    # The exact engine (the default) runs the framework's table where it passes the
+    # row-invariance probe, else the probe's choice.
+    assert SublayerEngine(bf16_model).kernels.source == "framework+row-invariant"
+    assert engine.kernels.source == "measured+row-invariant"
+    assert SublayerEngine(tiny_model("llama", seed=1), exact=False).kernels.source == "measured"
 
 
 def test_the_switches_force_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -45,7 +45,7 @@ def generate_prompts_file(args: argparse.Namespace, config: DecoderConfig) -> in
             flag = "--" + option.replace("_", "-")
             raise UsageError(f"{flag} cannot be combined with --prompts-file")
     prompts = read_prompts(args.prompts_file)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, getattr(args, "dtype", "float32"))
     decoder = import_decoder().from_config(model, config)
     generate_file(
         decoder,

@@ -74,7 +74,7 @@ def run_generate(args: argparse.Namespace, extra: Sequence[str]) -> int:
     if args.output is not None:
         raise UsageError("--output is for --prompts-file; the completion goes to stdout")
     prompt = read_prompt(args)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, getattr(args, "dtype", "float32"))
     input_ids = encode_prompt(tokenizer, prompt, args.chat)
     decoder = import_decoder().from_config(model, config)
     if args.prompt is None and args.prompt_file is None:

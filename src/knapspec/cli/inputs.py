@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,8 +51,15 @@ def read_prompt(args: argparse.Namespace) -> str:
     return text
 
 
-def load_model(name_or_path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """``--model``: the default model (provisioned on first use) or a local directory."""
+def load_model(
+    name_or_path: str, dtype: str = "float32"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """``--model``: the default model (provisioned on first use) or a local directory, in
+    ``dtype`` (``--dtype``: ``float32``, ``bfloat16`` or ``auto``, resolved by
+    :func:`knapspec.model.dtypes.choose_dtype`; the choice and its reason go to stderr)."""
+    import torch
+
+    from knapspec.model.dtypes import DTYPES, choose_dtype
     from knapspec.model.provision import (
         DEFAULT_ALIASES,
         ProvisioningError,
@@ -70,7 +78,16 @@ def load_model(name_or_path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerB
                 "config.json); give 'default' or a directory written by save_pretrained"
             )
     try:
-        return load_model_and_tokenizer(name_or_path, progress=True)
+        # auto loads float32 and measures a bfloat16 copy only on CPUs with bf16 units.
+        model, tokenizer = load_model_and_tokenizer(
+            name_or_path, dtype=DTYPES.get(dtype, torch.float32), progress=True
+        )
+        if dtype == "auto":
+            choice = choose_dtype("auto", model)
+            if choice.dtype != torch.float32:
+                model.to(choice.dtype)  # in place: nn.Module.to converts its parameters
+            print(f"knapspec: dtype {choice.name} ({choice.reason})", file=sys.stderr)
+        return model, tokenizer
     except ProvisioningError as error:
         raise RunError(str(error)) from error
     # A directory without loadable weights / tokenizer, or a config transformers rejects.

@@ -15,6 +15,7 @@ from pathlib import Path
 from knapspec.cli.common import PROG, load_decoder_config, positive_int
 from knapspec.cli.generate import run_generate
 from knapspec.cli.plan import run_plan, run_profile
+from knapspec.cli.tune import run_tune
 
 
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +48,14 @@ def _add_model_option(parser: argparse.ArgumentParser) -> None:
         help="'default' (SmolLM2-135M-Instruct, provisioned into the knapspec cache on first "
         "use) or the path of a local transformers model directory (config, weights, "
         "tokenizer). Default: %(default)s.",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="the dtype to load and decode in; 'auto' keeps float32 on a CPU without bf16 "
+        "units (AMX, AVX512-BF16) and otherwise measures both and takes the faster. "
+        "Output is exact in either (row-invariant kernels). Default: %(default)s.",
     )
 
 
@@ -182,9 +191,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_options(profile)
     profile.set_defaults(handler=run_profile)
 
+    tune = commands.add_parser(
+        "tune",
+        help="measure this machine once, ahead of time (kernel table, latency profile)",
+        description="Measure what SpeculativeDecoder(model) would measure on first use on "
+        "this machine, and cache it: the engine's matrix-product kernel table and, for the "
+        "configured cost model, a quick latency profile. Each measurement is announced on "
+        "stderr (what, how long, where it is cached); what is cached already is read.",
+    )
+    _add_model_option(tune)
+    _add_config_options(tune)
+    tune.set_defaults(handler=run_tune)
+
     bench = commands.add_parser(
         "bench",
-        help="run the benchmark harness (its own options: knapspec bench --help)",
+        help="run the benchmark harness or Spec-Bench (knapspec bench --help, knapspec bench "
+        "spec-bench --help)",
         description="Benchmark harness; every argument after 'bench' is passed to it.",
         add_help=False,
     )

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -37,6 +35,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
+from knapspec.model import cachefiles
 from knapspec.model.autotune import KernelKey
 from knapspec.model.kernel_timing import LinearRole, linear_roles
 from knapspec.model.kernels import (
@@ -56,7 +55,7 @@ from knapspec.model.onednn import onednn_available, packing_fits, release_packed
 from knapspec.model.provision import cache_root
 
 if TYPE_CHECKING:
-    from knapspec.model.engine import SublayerEngine
+    from knapspec.model.tunable import TunableEngine
 
 logger = logging.getLogger(__name__)
 
@@ -139,44 +138,25 @@ def _choose(role: LinearRole, candidates: Sequence[str]) -> tuple[str, tuple[str
     return ROWWISE_KERNEL, tuple(failed)
 
 
-def _cache_path(engine: SublayerEngine, table: KernelTable) -> Path:
+def _cache_path(engine: TunableEngine, table: KernelTable) -> Path:
     """Probe results depend on the machine, BLAS, threads, dtype and shapes (the kernel
     table's key) and on the table probed; not on the weights' values."""
     key = KernelKey.for_engine(engine)
     return cache_root() / "kernels" / f"invariant-{key.digest()}-{table.fingerprint()}.json"
 
 
-def _read_cached(path: Path) -> tuple[dict[str, str], dict[str, tuple[str, ...]]] | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        kernels = {str(k): str(v) for k, v in data["kernels"].items()}
-        failed = {str(k): tuple(str(n) for n in v) for k, v in data["failed"].items()}
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        logger.warning("knapspec: %s is unreadable (%r); probing again", path, error)
-        return None
-    if not set(kernels.values()) <= set(KERNELS):
-        logger.warning("knapspec: %s names unknown kernels; probing again", path)
-        return None
+def _parse_cached(text: str) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
+    data = json.loads(text)
+    kernels = {str(k): str(v) for k, v in data["kernels"].items()}
+    failed = {str(k): tuple(str(n) for n in v) for k, v in data["failed"].items()}
+    unknown = set(kernels.values()) - set(KERNELS)
+    if unknown:
+        raise ValueError(f"unknown kernels {sorted(unknown)}")
     return kernels, failed
 
 
-def _write_cached(path: Path, kernels: dict[str, str], failed: dict[str, tuple[str, ...]]) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(prefix=".invariant-", dir=path.parent)
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            json.dump(
-                {"kernels": kernels, "failed": {k: list(v) for k, v in failed.items()}}, stream
-            )
-        os.replace(temporary, path)
-    except OSError as error:  # an unwritable cache costs a probe next time, nothing else
-        logger.warning("knapspec: could not cache the row-invariance probe (%s)", error)
-
-
 def row_invariant_table(
-    engine: SublayerEngine, table: KernelTable, *, use_cache: bool = True
+    engine: TunableEngine, table: KernelTable, *, use_cache: bool = True
 ) -> InvarianceReport:
     """The row-invariant version of ``table`` for ``engine`` (module docstring); the probe's
     verdicts are cached per machine, model shape and table (``use_cache``)."""
@@ -192,7 +172,9 @@ def row_invariant_table(
     }
     roles = [*separate, *(role for role in fused_roles if fuse.get(role.name, False))]
     path = _cache_path(engine, table) if use_cache else None
-    cached = _read_cached(path) if path is not None else None
+    cached = (
+        cachefiles.read(path, _parse_cached, "row-invariance probe") if path is not None else None
+    )
     kernels: dict[Shape, str] = {}
     failed: dict[str, tuple[str, ...]] = {}
     if cached is not None and {shape_name(role.shape) for role in roles} == set(cached[0]):
@@ -208,7 +190,13 @@ def row_invariant_table(
                 failed[shape_name(role.shape)] = broken
         release_packed()  # probing packed every weight it tried; the engine re-packs its own
         if path is not None:
-            _write_cached(path, {shape_name(s): n for s, n in kernels.items()}, failed)
+            text = json.dumps(
+                {
+                    "kernels": {shape_name(s): n for s, n in kernels.items()},
+                    "failed": {k: list(v) for k, v in failed.items()},
+                }
+            )
+            cachefiles.store(path, text, "row-invariance probe")
     if all(name == PLAIN_KERNEL for name in kernels.values()) and not any(fuse.values()):
         exact = KernelTable.plain(source=f"{table.source}+row-invariant")
     else:

@@ -1,0 +1,157 @@
+"""Which dtype to decode in: ``float32``, ``bfloat16``, or ``auto`` (chosen by measurement).
+
+bfloat16 halves the bytes every step reads, and on CPUs with bf16 units (AMX tiles, or
+AVX512-BF16 dot products) oneDNN turns that into speed: on a 2-core Intel Xeon with AMX a
+bf16 prefill ran 2.2-2.9x float32, and verifying 16 tokens cost 1.54x a one-token step
+against 2.40x in float32 (``../shared/models.md``). On a CPU without them bf16 products are
+widened to float32 on the fly, which is slower than float32 itself. So ``auto`` means:
+
+* float32 on a CPU whose flags list neither ``amx_bf16`` nor ``avx512_bf16`` (no timing:
+  there is nothing to gain);
+* otherwise the faster of the two by measurement on the machine at hand: one decode step
+  and one 11-token verification through the exact engine, after a 512-token context, each
+  the best of three; bfloat16 wins only if it is faster in both. The verdict is cached per
+  CPU, model and thread count.
+
+Exactness holds in either dtype (the engine's row-invariant kernels, ``docs/theory.md``).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from knapspec.model import cachefiles
+from knapspec.model.machine import cpu_flags_digest, host_cpu_model
+from knapspec.model.provision import cache_root
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+#: CPU flags that mark bf16 arithmetic units.
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+@attrs.frozen
+class DtypeChoice:
+    """The dtype to run and why (printed by the main job)."""
+
+    dtype: torch.dtype
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def bf16_units(flags: str | None = None) -> tuple[str, ...]:
+    """The bf16 flags this CPU reports (``/proc/cpuinfo``), e.g. ``("avx512_bf16",)``."""
+    if flags is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return ()
+        line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+        flags = line.partition(":")[2]
+    present = set(flags.split())
+    return tuple(flag for flag in BF16_FLAGS if flag in present)
+
+
+def parse_dtype(name: str) -> str:
+    """Validate a ``--dtype`` / config value."""
+    if name not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}; got {name!r}")
+    return name
+
+
+def _step_seconds(engine: Any, context: int = 512, verify: int = 11) -> tuple[float, float]:
+    """Best-of-three seconds of one decode step and one ``verify``-token pass."""
+    ids = torch.randint(0, engine.vocab_size, (context + verify + 1,))
+    cache = engine.new_cache(context + verify + 1)
+    engine.forward(ids[:context], 0, cache, all_logits=False)
+    steps, passes = [], []
+    for _ in range(3):
+        cache.crop(context)
+        start = time.perf_counter()
+        engine.forward(ids[context : context + 1], context, cache, all_logits=False)
+        steps.append(time.perf_counter() - start)
+        cache.crop(context)
+        start = time.perf_counter()
+        engine.forward(ids[context : context + verify], context, cache)
+        passes.append(time.perf_counter() - start)
+    return min(steps), min(passes)
+
+
+def choose_dtype(
+    name: str,
+    model: torch.nn.Module | None = None,
+    *,
+    flags: str | None = None,
+    engine_factory: Callable[[torch.nn.Module], Any] | None = None,
+) -> DtypeChoice:
+    """Resolve ``name`` (``auto``, ``float32`` or ``bfloat16``) for this machine.
+
+    ``auto`` measures ``model`` (float32, as loaded) against a bfloat16 copy only where the
+    CPU has bf16 units (module docstring); ``engine_factory`` builds the engines timed
+    (default: :class:`~knapspec.model.engine.SublayerEngine`).
+    """
+    parse_dtype(name)
+    if name != "auto":
+        return DtypeChoice(DTYPES[name], "asked for")
+    units = bf16_units(flags)
+    if not units:
+        return DtypeChoice(
+            torch.float32,
+            "auto: this CPU has no bf16 units (neither amx_bf16 nor avx512_bf16), "
+            "where bfloat16 runs slower than float32",
+        )
+    if model is None:
+        return DtypeChoice(torch.float32, "auto: no model to measure")
+    config = getattr(model, "config", None)
+    key = {
+        "cpu": host_cpu_model(),
+        "flags": cpu_flags_digest(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "model": str(getattr(config, "_name_or_path", type(model).__name__)),
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_root() / "dtype" / f"{digest}.json"
+    cached = cachefiles.read(path, json.loads, "dtype choice")
+    if isinstance(cached, dict) and cached.get("key") == key and cached.get("dtype") in DTYPES:
+        return DtypeChoice(DTYPES[cached["dtype"]], str(cached.get("reason", "cached")))
+    if engine_factory is None:
+        from knapspec.model.engine import SublayerEngine
+
+        engine_factory = SublayerEngine
+    fp32 = _step_seconds(engine_factory(model))
+    bf16 = _step_seconds(engine_factory(copy.deepcopy(model).to(torch.bfloat16)))
+    faster = bf16[0] < fp32[0] and bf16[1] < fp32[1]
+    reason = (
+        f"auto: measured on this CPU ({', '.join(units)}): decode step "
+        f"{fp32[0] * 1e3:.1f} ms float32 vs {bf16[0] * 1e3:.1f} ms bfloat16, 11-token "
+        f"verification {fp32[1] * 1e3:.1f} vs {bf16[1] * 1e3:.1f} ms"
+    )
+    choice = DtypeChoice(torch.bfloat16 if faster else torch.float32, reason)
+    cachefiles.store(
+        path, json.dumps({"key": key, "dtype": choice.name, "reason": reason}), "dtype choice"
+    )
+    return choice
+
+
+__all__ = [
+    "BF16_FLAGS",
+    "DTYPES",
+    "DTYPE_CHOICES",
+    "DtypeChoice",
+    "bf16_units",
+    "choose_dtype",
+    "parse_dtype",
+]
