@@ -85,7 +85,7 @@ def load_model(
         if dtype == "auto":
             choice = choose_dtype("auto", model)
             if choice.dtype != torch.float32:
-                model.to(choice.dtype)  # in place: nn.Module.to converts its parameters
+                torch.nn.Module.to(model, choice.dtype)  # in place, parameters and buffers
             print(f"knapspec: dtype {choice.name} ({choice.reason})", file=sys.stderr)
         return model, tokenizer
     except ProvisioningError as error:
