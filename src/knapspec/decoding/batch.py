@@ -26,8 +26,9 @@ and its K/V is copied into the batch cache. With fewer slots than prompts
 row's slot goes to the next one, prefilled between two rounds (continuous batching), so
 a batch does not idle behind its slowest row while prompts wait.
 
-Greedy rows equal their prompt decoded alone; sampled rows use their own generator and
-lossless rejection sampling, so each is distributed as the target.
+Greedy rows equal their prompt decoded alone; sampled rows use their own seed
+(:class:`~knapspec.decoding.sampler.TokenSampler`), and under position-keyed sampling
+(the default) equal their prompt decoded alone with that seed too.
 """
 
 from __future__ import annotations
@@ -43,12 +44,13 @@ import torch
 from knapspec.decoding.arguments import batch_prompts
 from knapspec.decoding.batch_policy import BatchDraftPolicy, BatchSubnetwork, RoundPlan
 from knapspec.decoding.run import PREFILL_WINDOW_TOKENS
+from knapspec.decoding.sampler import TokenSampler
 from knapspec.decoding.stats import GenerationStats
-from knapspec.decoding.verify import check_finite, verify_greedy, verify_sampling
+from knapspec.decoding.verify import check_finite
 from knapspec.drafters.base import LOOKUP, SUBNETWORK, Draft
 from knapspec.drafters.lookup import LookupDrafter
 from knapspec.model.batched import forward_batch, new_batch_cache
-from knapspec.sampling import SamplingParams, processed_probs, sample_token
+from knapspec.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from knapspec.model.batch_cache import BatchKVCache
@@ -113,7 +115,7 @@ class BatchRun:
         prompts: the rows' prompts (checked by :func:`batch_prompts`).
         policy: chooses each row's γ per round.
         lookup: a drafter whose config every row's own lookup drafter copies.
-        generators: per row, its sampling generator (None when greedy).
+        samplers: per row, how it picks and verifies tokens (its seed).
         plan_subnetwork: chooses the sub-network on the first row (None: lookup only).
         capture_points: the first row's prefill records the item points (the planner
             reads them as its reference window).
@@ -135,7 +137,7 @@ class BatchRun:
         policy: BatchDraftPolicy,
         max_draft_length: int,
         lookup: LookupDrafter | None,
-        generators: list[torch.Generator | None],
+        samplers: list[TokenSampler],
         plan_subnetwork: SubnetworkPlanner | None = None,
         capture_points: bool = False,
         slots: int | None = None,
@@ -148,7 +150,7 @@ class BatchRun:
         self.params = params
         self.policy = policy
         self.max_draft_length = max_draft_length
-        self.generators = generators
+        self.samplers = samplers
         self.plan_subnetwork = plan_subnetwork
         self.capture_points = capture_points
         self.subnetwork: BatchSubnetwork | None = None
@@ -166,11 +168,9 @@ class BatchRun:
             torch.cuda.synchronize(self.engine.device)
         return time.perf_counter()
 
-    def _choose(self, row: int, logits: torch.Tensor) -> int:
-        """One token from ``logits (vocab,)`` for ``row``: argmax or a sample."""
-        if not self.params.do_sample:
-            return int(logits.argmax())
-        return sample_token(processed_probs(logits, self.params), self.generators[row])
+    def _choose(self, row: int, logits: torch.Tensor, position: int) -> int:
+        """``row``'s token at absolute ``position`` from ``logits (vocab,)``."""
+        return self.samplers[row].choose(logits, position)[0]
 
     def _commit(self, row: int, tokens: list[int]) -> int:
         """Append up to the limit / first stop token; returns how many were kept."""
@@ -232,7 +232,7 @@ class BatchRun:
         check_finite(out.logits, f"prefill of row {row}")
         cache.append_row(self.scratch, prompt.numel())
         active.append(row)
-        token = self._choose(row, out.logits[-1])
+        token = self._choose(row, out.logits[-1], prompt.numel())
         pending[row] = token
         self._commit(row, [token])
         self.drafters[row].reset([*prompt.tolist(), token])
@@ -293,12 +293,8 @@ class BatchRun:
             tokens = list(draft.tokens)
             scores = logits[offset : offset + len(tokens) + 1]
             offset += widths[slot]
-            if self.params.do_sample:
-                target = processed_probs(scores, self.params)
-                draft_probs = draft.draft_probs(target.shape[-1], target.device)
-                verdict = verify_sampling(tokens, draft_probs, target, self.generators[row])
-            else:
-                verdict = verify_greedy(tokens, scores)
+            # The pending token sits at position lengths[row]; row 0 picks the next one.
+            verdict = self.samplers[row].verify(draft, scores, lengths[row] + 1)
             # Inputs at positions n .. n + accepted are now this row's: keep their K/V only.
             lengths[row] += verdict.accepted + 1
             new_lengths.append(lengths[row])
@@ -390,12 +386,10 @@ class BatchRun:
                 logits = forward_batch(engine, inputs, starts, cache, all_logits=False, mask=mask)
                 check_finite(logits, "batched drafting")
                 for slot, row in enumerate(active):
-                    if self.params.do_sample:
-                        q = processed_probs(logits[slot], self.params)
-                        current[slot] = sample_token(q, self.generators[row])
+                    # The step's input sits at starts[slot]: it picks the next position.
+                    current[slot], q = self.samplers[row].choose(logits[slot], starts[slot] + 1)
+                    if q is not None:
                         probs[slot].append(q)
-                    else:
-                        current[slot] = int(logits[slot].argmax())
                     tokens[slot].append(current[slot])
                 self.policy.observe_draft_pass(len(active), mean_context, self._now() - step_start)
         finally:

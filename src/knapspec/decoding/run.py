@@ -15,11 +15,12 @@ import attrs
 import torch
 
 from knapspec.costmodels.base import LatencyObservation
+from knapspec.decoding.sampler import TokenSampler
 from knapspec.decoding.stats import GenerationStats, PlanRecord
-from knapspec.decoding.verify import check_finite, verify_greedy, verify_sampling
+from knapspec.decoding.verify import check_finite
 from knapspec.drafters.base import NO_DRAFT, SUBNETWORK, Draft, Drafter, Verification
 from knapspec.planners.base import PlanningContext
-from knapspec.sampling import SamplingParams, processed_probs, sample_token
+from knapspec.sampling import SamplingParams
 from knapspec.types import DraftPlan, StepOutcome, SublayerMask
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ class Run:
         max_new_tokens: int,
         stop_ids: frozenset[int],
         params: SamplingParams,
-        generator: torch.Generator | None,
+        sampler: TokenSampler,
         streamer: BaseStreamer | None,
         logits_processor: LogitsProcessor | None = None,
     ) -> None:
@@ -74,7 +75,7 @@ class Run:
         self.max_new_tokens = max_new_tokens
         self.stop_ids = stop_ids
         self.params = params
-        self.generator = generator
+        self.sampler = sampler
         self.streamer = streamer
         self.stats = GenerationStats(prompt_tokens=prompt.numel())
         self.output: list[int] = []
@@ -105,12 +106,10 @@ class Run:
             rows.append(self.logits_processor(prefix.unsqueeze(0).to(logits.device), row))
         return torch.cat(rows)
 
-    def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """Pick a token from ``logits (vocab,)``: argmax, or a sample from the processed p."""
-        if not self.params.do_sample:
-            return int(logits.argmax()), None
-        probs = processed_probs(logits, self.params)
-        return sample_token(probs, self.generator), probs
+    def _choose(self, logits: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None]:
+        """The token at absolute ``position`` from ``logits (vocab,)``: argmax or a sample,
+        with the processed distribution when sampling (:class:`TokenSampler`)."""
+        return self.sampler.choose(logits, position)
 
     def execute(self) -> GenerationResult:
         decoder, engine, cache, stats = self.decoder, self.engine, self.cache, self.stats
@@ -143,7 +142,7 @@ class Run:
             # Target tokens for the seed: the model's argmax after each seed token.
             seed_logits = engine.logits(out.hidden[-seed:])
             decoder._window.push(out.points, self.prompt[-seed:], seed_logits.argmax(-1), n - seed)
-        pending, _ = self._choose(self._process(out.logits[-1:], [])[0])
+        pending, _ = self._choose(self._process(out.logits[-1:], [])[0], n)
         stats.prefill_time_s = self._now() - start_time
         self._commit([pending])
 
@@ -290,7 +289,10 @@ class Run:
             pending,
             n,
             budget,
-            lambda logits, drafted: self._choose(self._process(logits[None], drafted)[0]),
+            # The pending token sits at position n: the j-th draft token is at n + 1 + j.
+            lambda logits, drafted: self._choose(
+                self._process(logits[None], drafted)[0], n + 1 + len(drafted)
+            ),
             confidence_threshold=self.decoder.confidence_threshold,
             cost_model=self.decoder.cost_model,
             clock=self._now,
@@ -309,12 +311,7 @@ class Run:
         target_next = out.logits.argmax(dim=-1) if capture else None
         drafts = list(draft.tokens)
         scores = self._process(out.logits, drafts)
-        if self.params.do_sample:
-            target_probs = processed_probs(scores, self.params)
-            draft_probs = draft.draft_probs(target_probs.shape[-1], target_probs.device)
-            verdict = verify_sampling(drafts, draft_probs, target_probs, self.generator)
-        else:
-            verdict = verify_greedy(drafts, scores)
+        verdict = self.sampler.verify(draft, scores, n + 1)  # row 0 picks position n + 1
         elapsed = self._now() - verify_start
         self.stats.verify_time_s += elapsed
         if self.decoder.cost_model is not None:
