@@ -83,11 +83,12 @@ class TokenSampler:
             return verify_sampling(drafts, draft_probs, target, self.generator)
         scores = processed_scores(logits, self.params)
         # Row by row, stopping at the first mismatch: later rows' noise is never needed.
-        for j in range(len(drafts) + 1):
+        j = 0
+        while True:
             token = keyed_argmax(scores[j : j + 1], [position_key(self.seed, position + j)])[0]
             if j == len(drafts) or token != drafts[j]:
                 return Verdict(j, [*drafts[:j], token])
-        raise AssertionError("unreachable: the last row always returns")
+            j += 1
 
 
 __all__ = ["TokenSampler", "resolve_seed"]
