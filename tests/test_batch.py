@@ -298,7 +298,7 @@ def test_seeded_rows_are_reproducible() -> None:
     first = decoder.generate([[1, 2, 3], [1, 2, 3]], max_new_tokens=12, sampling=params)
     again = decoder.generate([[1, 2, 3], [1, 2, 3]], max_new_tokens=12, sampling=params)
     assert all(torch.equal(a, b) for a, b in zip(first.tokens, again.tokens, strict=True))
-    # Rows get their own generators: the same prompt in two rows samples differently.
+    # Rows get their own seeds: the same prompt in two rows samples differently.
     assert not torch.equal(first.tokens[0], first.tokens[1])
 
 

@@ -11,12 +11,86 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Sequence
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import Final
 
 import attrs
+import torch
 
-if TYPE_CHECKING:
-    from knapspec.drafters.base import Draft
+#: Name of the γ = 0 option (a plain step) wherever drafters are named: stats, plans.
+NO_DRAFT: Final = "none"
+SUBNETWORK: Final = "subnetwork"
+LOOKUP: Final = "lookup"
+
+
+@attrs.frozen
+class Draft:
+    """Tokens one drafter proposed for one round.
+
+    Attributes:
+        tokens: the draft token ids, in order (may be empty: nothing to propose).
+        drafter: the registered name of the drafter that produced it.
+        probs: ``(len(tokens), vocab)`` the draft distributions ``q_j`` the tokens were
+            sampled from, for rejection sampling; None for a deterministic draft (lookup),
+            whose ``q`` is one-hot (:meth:`draft_probs` builds it).
+        support: per token, the fraction of the matched earlier occurrences that continue
+            with it (lookup only; 1.0 when one occurrence or all agree).
+        match_length: tokens of the context's suffix the lookup matched (0 otherwise).
+        predicted_acceptance: the planner's per-token acceptance estimate for the tokens it
+            kept (None when not priced).
+        seconds: wall time spent producing the draft.
+    """
+
+    tokens: tuple[int, ...]
+    drafter: str
+    probs: torch.Tensor | None = None
+    support: tuple[float, ...] = ()
+    match_length: int = 0
+    predicted_acceptance: float | None = None
+    seconds: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def truncated(self, length: int) -> Draft:
+        """The first ``length`` tokens (and their distributions / support)."""
+        if length >= len(self.tokens):
+            return self
+        probs = self.probs[:length] if self.probs is not None else None
+        return attrs.evolve(
+            self, tokens=self.tokens[:length], probs=probs, support=self.support[:length]
+        )
+
+    def draft_probs(self, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``(len(tokens), vocab_size)`` draft distributions: the stored ``q`` or, for a
+        deterministic draft, one-hot rows (accepting ``x`` with probability ``p(x)`` and
+        resampling from ``p`` without ``x`` on rejection is then exact)."""
+        if self.probs is not None:
+            return self.probs
+        one_hot = torch.zeros(len(self.tokens), vocab_size, device=device)
+        if self.tokens:
+            index = torch.tensor(self.tokens, device=device)
+            one_hot[torch.arange(len(self.tokens), device=device), index] = 1.0
+        return one_hot
+
+
+@attrs.frozen
+class Verification:
+    """What one verify pass decided.
+
+    Attributes:
+        accepted: leading draft tokens accepted.
+        tokens: committed tokens: the accepted drafts, then one token from the target.
+        seconds: wall time of the full-model pass and the acceptance test.
+        points: ``(2L + 1, k + 1, d_model)`` captured hidden states (None unless captured).
+        target_next: ``(k + 1,)`` the target's argmax after each input (None unless
+            captured).
+    """
+
+    accepted: int
+    tokens: list[int]
+    seconds: float
+    points: torch.Tensor | None = None
+    target_next: torch.Tensor | None = None
 
 
 class ItemKind(StrEnum):
@@ -167,13 +241,13 @@ class DraftPlan:
     predicted_acceptance: float | None = None
     predicted_tokens_per_second: float | None = None
     source: str = "static"
-    drafter: str = "subnetwork"
+    drafter: str = SUBNETWORK
     best_draft_speedup: float | None = None
 
     @property
     def drafter_used(self) -> str:
         """The drafter a round under this plan runs: ``"none"`` when γ = 0."""
-        return self.drafter if self.draft_length > 0 else "none"
+        return self.drafter if self.draft_length > 0 else NO_DRAFT
 
     @classmethod
     def autoregressive(cls, num_layers: int, source: str = "fallback") -> DraftPlan:

@@ -221,7 +221,8 @@ class Harness:
         }
         (self.run_dir / RUN_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
 
-    def _extra(self) -> dict[str, Any]:
+    def record_extra(self) -> dict[str, Any]:
+        """The fields every raw record of this run carries (run name, environment)."""
         return {"run_name": self.options.run_name, "env": self.env}
 
     # ------------------------------------------------------------------ set-up
@@ -520,7 +521,7 @@ class Harness:
                         lossless=lossless,
                         **call.record,
                     )
-                    append_jsonl(self.run_dir / RAW, record.to_json(self._extra()))
+                    append_jsonl(self.run_dir / RAW, record.to_json(self.record_extra()))
                     position += 2
                     self._emit_reference(scenario, prompt, pair, position, nxt, seed)
                     previous = nxt
@@ -554,7 +555,7 @@ class Harness:
             lossless=True if scenario.greedy else None,
             **call.record,
         )
-        append_jsonl(self.run_dir / RAW, record.to_json(self._extra()))
+        append_jsonl(self.run_dir / RAW, record.to_json(self.record_extra()))
 
     # ------------------------------------------------------------------ analysis
     def _analyse(

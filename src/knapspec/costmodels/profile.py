@@ -17,7 +17,6 @@ import importlib.metadata
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +25,7 @@ import attrs
 import torch
 import transformers
 
+from knapspec.model.cachefiles import replace_atomically
 from knapspec.model.machine import host_cpu_model
 
 if TYPE_CHECKING:
@@ -346,19 +346,14 @@ class LatencyProfile:
         except (KeyError, TypeError, ValueError) as error:
             raise ProfileError(f"{source}: malformed profile ({error!r})") from error
 
+    def to_json(self) -> str:
+        """The on-disk text: :meth:`to_dict` as indented JSON."""
+        return json.dumps(self.to_dict(), indent=1) + "\n"
+
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the profile as JSON atomically (temporary file, then rename)."""
         target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(self.to_dict(), indent=1)
-        handle, temporary = tempfile.mkstemp(prefix=".profile-", dir=target.parent)
-        try:
-            with os.fdopen(handle, "w", encoding="utf-8") as stream:
-                stream.write(text + "\n")
-            os.replace(temporary, target)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
+        replace_atomically(target, self.to_json(), prefix=".profile-")
         return target
 
     @classmethod
@@ -371,7 +366,7 @@ class LatencyProfile:
         source = str(path)
         try:
             text = Path(path).read_text(encoding="utf-8")
-        except OSError as error:
+        except (OSError, UnicodeDecodeError) as error:
             raise ProfileError(f"cannot read latency profile {source}: {error}") from error
         if not text.strip():
             raise ProfileError(

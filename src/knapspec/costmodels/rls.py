@@ -8,6 +8,9 @@ from numpy.typing import ArrayLike, NDArray
 from sklearn.base import BaseEstimator, RegressorMixin
 from sklearn.utils.validation import check_array, check_is_fitted
 
+#: The default forgetting factor ``λ``: memory of about ``1 / (1 - λ)`` = 50 observations.
+FORGETTING_FACTOR = 0.98
+
 
 class RecursiveLeastSquares(BaseEstimator, RegressorMixin):  # type: ignore[misc]
     """Exponentially weighted recursive least squares, scikit-learn style.
@@ -32,7 +35,7 @@ class RecursiveLeastSquares(BaseEstimator, RegressorMixin):  # type: ignore[misc
 
     def __init__(
         self,
-        forgetting_factor: float = 0.98,
+        forgetting_factor: float = FORGETTING_FACTOR,
         initial_covariance: float = 100.0,
         max_covariance_trace: float | None = None,
         coef_init: ArrayLike | None = None,
@@ -42,7 +45,10 @@ class RecursiveLeastSquares(BaseEstimator, RegressorMixin):  # type: ignore[misc
         self.max_covariance_trace = max_covariance_trace
         self.coef_init = coef_init
 
-    def _initialize(self, n_features: int) -> None:
+    def initialize(self, n_features: int) -> None:
+        """Start over with ``n_features`` features: coefficients ``coef_init`` (zeros when
+        None) and covariance ``initial_covariance * I`` (``fit`` and ``update`` call it on
+        first use; a caller seeding the estimator before any data calls it directly)."""
         if not 0.0 < self.forgetting_factor <= 1.0:
             raise ValueError(f"forgetting_factor must be in (0, 1], got {self.forgetting_factor}")
         if not self.initial_covariance > 0:
@@ -69,7 +75,7 @@ class RecursiveLeastSquares(BaseEstimator, RegressorMixin):  # type: ignore[misc
         one sample's influence; None = plain RLS).
         """
         if not hasattr(self, "coef_"):
-            self._initialize(x.shape[0])
+            self.initialize(x.shape[0])
         covariance = self.covariance_
         px = covariance @ x
         gain = px / (self.forgetting_factor + x @ px)
@@ -116,7 +122,7 @@ class RecursiveLeastSquares(BaseEstimator, RegressorMixin):  # type: ignore[misc
         if not np.all(np.isfinite(targets)):
             raise ValueError("y holds NaN or infinite values")
         if not hasattr(self, "coef_"):
-            self._initialize(features.shape[1])
+            self.initialize(features.shape[1])
         elif features.shape[1] != self.n_features_in_:
             raise ValueError(f"X has {features.shape[1]} features, expected {self.n_features_in_}")
         for row, target in zip(features, targets, strict=True):
@@ -136,4 +142,4 @@ class RecursiveLeastSquares(BaseEstimator, RegressorMixin):  # type: ignore[misc
         return np.asarray(features @ self.coef_, dtype=np.float64)
 
 
-__all__ = ["RecursiveLeastSquares"]
+__all__ = ["FORGETTING_FACTOR", "RecursiveLeastSquares"]

@@ -7,19 +7,22 @@ Resolution order for "the profile of this model on this machine":
 3. ``cache_root()/profiles/<model>-<key digest>.json``: the file name hashes every key
    field that must match, so a cached profile is always for this model, machine, thread
    count and library versions. A full profile written there by ``knapspec profile`` wins;
-   otherwise a quick profile (a few seconds) is measured and cached on first use.
+   otherwise a quick profile (a few seconds) is measured and cached on first use. A bad
+   cache file (truncated, garbage, another version or key) or an unwritable cache costs one
+   warning and a quick profile, never an error (:mod:`knapspec.model.cachefiles`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from knapspec.costmodels.profile import LatencyProfile, ProfileError, ProfileKey
 from knapspec.costmodels.profiler import profile_engine
+from knapspec.model import cachefiles
 from knapspec.model.provision import cache_root
 
 if TYPE_CHECKING:
@@ -60,17 +63,24 @@ def load_or_measure_profile(
         profile.check_compatible(engine, force=force)
         return profile
     cached = default_profile_path(engine)
-    if cached.exists():
+
+    def mismatch(profile: LatencyProfile) -> str | None:
         try:
-            profile = LatencyProfile.load(cached)
             profile.check_compatible(engine)
-            return profile
-        except ProfileError as error:
-            # Our own cache file: replace it rather than fail the user's generate call.
-            warnings.warn(f"{error}; re-profiling quickly", RuntimeWarning, stacklevel=2)
-    profile = profile_engine(engine, quick=True, progress=progress)
-    profile.save(cached)
-    return profile
+        except ProfileError:
+            return "was measured for another model, machine or version"
+        return None
+
+    # Our own cache file: a bad one is replaced rather than failing the user's call.
+    return cachefiles.load_or_measure(
+        cached,
+        parse=lambda text: LatencyProfile.from_dict(json.loads(text), source=str(cached)),
+        valid=mismatch,
+        measure=lambda: profile_engine(engine, quick=True, progress=progress),
+        render=LatencyProfile.to_json,
+        what="latency profile",
+        measures="each sublayer's latency for the cost model (a quick profile, a few seconds)",
+    )
 
 
 __all__ = ["PROFILE_ENV", "default_profile_path", "load_or_measure_profile"]

@@ -40,9 +40,7 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import time
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from knapspec.model import cachefiles
 from knapspec.model.kernel_timing import (
     DEFAULT_MARGIN,
     DEFAULT_VALIDATE_ROWS,
@@ -82,7 +81,7 @@ from knapspec.model.onednn import (
 from knapspec.model.provision import cache_root
 
 if TYPE_CHECKING:
-    from knapspec.model.engine import SublayerEngine
+    from knapspec.model.tunable import TunableEngine
 
 #: Bump when the candidates or the measurement change, so that cached tables are re-tuned.
 AUTOTUNE_REVISION = 3
@@ -109,7 +108,7 @@ class KernelKey:
     memory_gib: int = 0
 
     @classmethod
-    def for_engine(cls, engine: SublayerEngine, max_rows: int = SMALL_ROWS) -> KernelKey:
+    def for_engine(cls, engine: TunableEngine, max_rows: int = SMALL_ROWS) -> KernelKey:
         separate, fused = linear_roles(engine)
         shapes = ",".join(
             f"{role.name}:{shape_name(role.shape)}x{len(role.tensors)}"
@@ -170,7 +169,7 @@ class TuneResult:
 
 
 def tune_kernel_table(
-    engine: SublayerEngine,
+    engine: TunableEngine,
     *,
     max_rows: int = SMALL_ROWS,
     repeats: int = 2,
@@ -249,43 +248,34 @@ def kernel_table_path(key: KernelKey) -> Path:
 
 
 def load_or_tune(
-    engine: SublayerEngine,
+    engine: TunableEngine,
     *,
     progress: bool | None = None,
     tune: Callable[..., TuneResult] = tune_kernel_table,
 ) -> TuneResult:
-    """The cached table for this machine and model shape, measured on first use."""
+    """The cached table for this machine and model shape, measured on first use.
+
+    A bad cache file (truncated, garbage, another key or version) or an unwritable cache
+    costs one warning and a measurement, never an error (:mod:`knapspec.model.cachefiles`).
+    """
     key = KernelKey.for_engine(engine)
-    path = kernel_table_path(key)
-    if path.exists():
-        try:
-            cached = TuneResult.from_dict(json.loads(path.read_text(encoding="utf-8")))
-            if cached.key == key:
-                return cached
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            warnings.warn(
-                f"kernel table {path} is unreadable ({error!r}); measuring again",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-    result = tune(engine, progress=progress)
-    _write_atomic(path, json.dumps(result.to_dict(), indent=1) + "\n")
-    return result
+
+    def mismatch(cached: TuneResult) -> str | None:
+        return None if cached.key == key else "was measured for another machine or version"
+
+    return cachefiles.load_or_measure(
+        kernel_table_path(key),
+        parse=lambda text: TuneResult.from_dict(json.loads(text)),
+        valid=mismatch,
+        measure=lambda: tune(engine, progress=progress),
+        render=lambda result: json.dumps(result.to_dict(), indent=1) + "\n",
+        what="kernel table",
+        measures="the matrix-product kernels on this model's weight shapes (about 20 s for "
+        "SmolLM2-135M on a 2-core CPU)",
+    )
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=".kernels-", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
-def framework_only(engine: SublayerEngine) -> bool:
+def framework_only(engine: TunableEngine) -> bool:
     """True where the engine uses the framework's own products with nothing to tune:
     a non-CPU device, or a dtype other than float32 (bf16/fp16 then match the model's own
     products exactly)."""
@@ -293,7 +283,7 @@ def framework_only(engine: SublayerEngine) -> bool:
 
 
 def resolve_kernel_table(
-    engine: SublayerEngine, spec: KernelTable | str | None, *, progress: bool | None = None
+    engine: TunableEngine, spec: KernelTable | str | None, *, progress: bool | None = None
 ) -> KernelTable:
     """The table an engine runs for ``spec``.
 

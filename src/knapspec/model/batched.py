@@ -142,7 +142,7 @@ def _split_attention(
         cache.keys(layer_index, first.end),
         cache.values(layer_index, first.end),
         attn_mask=first.mask,
-        scale=engine._scaling,
+        scale=engine.attention_scale,
     ).reshape(rows, heads, 1, head_dim)
     pieces = []
     offset = 0
@@ -156,7 +156,7 @@ def _split_attention(
                     cache.row_keys(layer_index, row, start + width),
                     cache.row_values(layer_index, row, start + width),
                     attn_mask=masks[row],
-                    scale=engine._scaling,
+                    scale=engine.attention_scale,
                 ).reshape(1, heads, width - 1, head_dim)
             )
         offset += width
@@ -187,7 +187,7 @@ def _padded_attention(
         cache.keys(layer_index, end),
         cache.values(layer_index, end),
         attn_mask=visible,
-        scale=engine._scaling,
+        scale=engine.attention_scale,
     ).reshape(rows, heads, q_len, head_dim)
     if packing is None:
         return out.transpose(1, 2).reshape(rows, q_len, heads * head_dim)
@@ -291,7 +291,7 @@ def forward_batch(
     for layer_index, layer in enumerate(engine.layers):
         if executed[2 * layer_index]:
             normed = layer.input_layernorm(hidden)
-            query, key, value = engine._project_qkv(layer_index, normed, cos, sin)
+            query, key, value = engine.project_qkv(layer_index, normed, cos, sin)
             cache.write(layer_index, index, key, value)
             if split:
                 attended = _split_attention(
@@ -301,9 +301,9 @@ def forward_batch(
                 attended = _padded_attention(
                     engine, query, cache, layer_index, end, visible, packing
                 )
-            hidden = hidden + engine._project(layer.self_attn.o_proj, attended)
+            hidden = hidden + engine.project(layer.self_attn.o_proj, attended)
         if executed[2 * layer_index + 1]:
-            hidden = engine._mlp_item(layer_index, hidden)
+            hidden = engine.mlp_item(layer_index, hidden)
     if packing is None:
         if all_logits and packed_logits:
             return engine.logits(hidden.reshape(rows * q_len, -1))

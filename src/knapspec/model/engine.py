@@ -37,6 +37,7 @@ from torch import nn
 from knapspec.model.autotune import KERNELS_ENV, framework_only, resolve_kernel_table
 from knapspec.model.cache import KVCache
 from knapspec.model.fusion import FusedProjection, fuse_linears
+from knapspec.model.kernel_timing import linear_roles
 from knapspec.model.kernels import KERNELS, ONEDNN_KERNEL, PLAIN_KERNEL, Kernel, KernelTable
 from knapspec.model.onednn import prepack
 from knapspec.types import SublayerMask
@@ -210,7 +211,8 @@ class SublayerEngine:
         self.kv_groups = self.num_heads // self.kv_heads
         self.hidden_size: int = config.hidden_size
         self.vocab_size: int = config.vocab_size
-        self._scaling: float = attn.scaling
+        #: The attention's softmax scale (``1 / sqrt(head_dim)`` for these families).
+        self.attention_scale: float = attn.scaling
         self._has_qk_norm = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
         module = sys.modules[type(attn).__module__]
         self._apply_rotary: RotaryFn = module.apply_rotary_pos_emb
@@ -271,8 +273,6 @@ class SublayerEngine:
     def _prepack(self, table: KernelTable) -> None:
         """Reorder now every weight ``table`` runs through oneDNN (see
         :func:`knapspec.model.onednn.prepack`)."""
-        from knapspec.model.kernel_timing import linear_roles
-
         uses = {shape for shape, names in table.choices.items() if ONEDNN_KERNEL in names}
         uses |= {shape for shape, name in table.large.items() if name == ONEDNN_KERNEL}
         if not uses:
@@ -314,7 +314,7 @@ class SublayerEngine:
             )
 
     # ------------------------------------------------------------- numerics
-    def _project(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def project(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``module(x)`` for a linear layer, through the table's kernel for few rows.
 
         Anything but a plain ``nn.Linear`` (a quantised or hooked layer) runs as itself.
@@ -345,10 +345,10 @@ class SublayerEngine:
             kernels = self._dispatch.get(weight.shape)
             kernel = kernels[rows] if kernels is not None else _PLAIN
             return fused.split(kernel(x, weight, fused.bias))
-        return tuple(self._project(part, x) for part in fused.parts)
+        return tuple(self.project(part, x) for part in fused.parts)
 
     def _gated_mlp(self, layer_index: int, x: torch.Tensor) -> torch.Tensor:
-        """``down(act(gate(x)) * up(x))``, the Llama/Mistral/Qwen MLP, via :meth:`_project`."""
+        """``down(act(gate(x)) * up(x))``, the Llama/Mistral/Qwen MLP, via :meth:`project`."""
         mlp = self.layers[layer_index].mlp
         gate = getattr(mlp, "gate_proj", None)
         up = getattr(mlp, "up_proj", None)
@@ -367,10 +367,10 @@ class SublayerEngine:
         if fused is not None:
             gated, upward = self._fused(fused, self._fuse_gate_up_rows, x)
         else:
-            gated, upward = self._project(gate, x), self._project(up, x)
+            gated, upward = self.project(gate, x), self.project(up, x)
         hidden = act(gated)
         hidden.mul_(upward)  # in place: one (rows, d_ff) allocation fewer
-        return self._project(down, hidden)
+        return self.project(down, hidden)
 
     def rotary(
         self, positions: torch.Tensor, like: torch.Tensor
@@ -380,7 +380,7 @@ class SublayerEngine:
         cos, sin = self.rotary_emb(like, positions.unsqueeze(0))
         return cos, sin
 
-    def _project_qkv(
+    def project_qkv(
         self, layer_index: int, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries ``(b, H, q, hd)`` and keys/values ``(b, kvH, q, hd)`` with rotary applied."""
@@ -393,9 +393,9 @@ class SublayerEngine:
                 part.reshape(shape) for part in self._fused(fused, self._fuse_qkv_rows, normed)
             )
         else:
-            query = self._project(attn.q_proj, normed).view(shape)
-            key = self._project(attn.k_proj, normed).view(shape)
-            value = self._project(attn.v_proj, normed).view(shape)
+            query = self.project(attn.q_proj, normed).view(shape)
+            key = self.project(attn.k_proj, normed).view(shape)
+            value = self.project(attn.v_proj, normed).view(shape)
         if self._has_qk_norm:
             query = attn.q_norm(query)
             key = attn.k_norm(key)
@@ -426,7 +426,7 @@ class SublayerEngine:
         batch, heads, q_len, head_dim = query.shape
         if is_causal:
             out = F.scaled_dot_product_attention(
-                query, keys, values, is_causal=True, scale=self._scaling, enable_gqa=True
+                query, keys, values, is_causal=True, scale=self.attention_scale, enable_gqa=True
             )
         else:
             groups = self.kv_groups
@@ -435,7 +435,7 @@ class SublayerEngine:
             packed = query.reshape(batch, self.kv_heads, groups * q_len, head_dim)
             packed_mask = None if mask is None else mask.repeat(groups, 1)
             out = F.scaled_dot_product_attention(
-                packed, keys, values, attn_mask=packed_mask, scale=self._scaling
+                packed, keys, values, attn_mask=packed_mask, scale=self.attention_scale
             )
             out = out.reshape(batch, heads, q_len, head_dim)
         return out.transpose(1, 2).reshape(batch, q_len, heads * head_dim)
@@ -452,7 +452,7 @@ class SublayerEngine:
         """Run layer ``layer_index``'s attention item on ``hidden (1, q, d)``, writing K/V."""
         layer = self.layers[layer_index]
         q_len = hidden.shape[1]
-        query, key, value = self._project_qkv(layer_index, layer.input_layernorm(hidden), cos, sin)
+        query, key, value = self.project_qkv(layer_index, layer.input_layernorm(hidden), cos, sin)
         cache.write(layer_index, start, key[0], value[0])
         end = start + q_len
         keys = cache.keys(layer_index, end).unsqueeze(0)
@@ -463,10 +463,11 @@ class SublayerEngine:
             attended = self._attend(query, keys, values, None)
         else:
             attended = self._attend(query, keys, values, causal_mask(start, q_len, self.device))
-        output: torch.Tensor = hidden + self._project(layer.self_attn.o_proj, attended)
+        output: torch.Tensor = hidden + self.project(layer.self_attn.o_proj, attended)
         return output
 
-    def _mlp_item(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor:
+    def mlp_item(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor:
+        """The residual stream ``(b, q, d)`` after layer ``layer_index``'s MLP sublayer."""
         layer = self.layers[layer_index]
         output: torch.Tensor = hidden + self._gated_mlp(
             layer_index, layer.post_attention_layernorm(hidden)
@@ -526,7 +527,7 @@ class SublayerEngine:
             if capture_points:
                 points.append(_kept(hidden, keep, copy))
             if executed[2 * layer_index + 1]:
-                hidden = self._mlp_item(layer_index, hidden)
+                hidden = self.mlp_item(layer_index, hidden)
             if capture_points:
                 points.append(_kept(hidden, keep, copy))
         final = hidden[0]
@@ -538,7 +539,7 @@ class SublayerEngine:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: ``(..., d_model) -> (..., vocab)`` in float32."""
-        logits: torch.Tensor = self._project(self.lm_head, self.final_norm(hidden)).float()
+        logits: torch.Tensor = self.project(self.lm_head, self.final_norm(hidden)).float()
         return logits
 
     @torch.inference_mode()
@@ -571,7 +572,7 @@ class SublayerEngine:
             raise ValueError(f"item {item} out of range [0, {self.num_items})")
         layer_index = item // 2
         if item % 2 == 1:
-            return self._mlp_item(layer_index, hidden)
+            return self.mlp_item(layer_index, hidden)
         cos, sin = rotary  # KVCache.write refuses a gap before ``start``
         return self._attention_item(layer_index, hidden, start, cos, sin, cache)
 
@@ -604,7 +605,7 @@ class SublayerEngine:
             raise ValueError(f"item {item} out of range [0, {self.num_items})")
         layer_index = item // 2
         if item % 2 == 1:
-            return self._mlp_item(layer_index, hidden)
+            return self.mlp_item(layer_index, hidden)
         if prefix_length > cache.lengths[layer_index]:
             raise ValueError(
                 f"layer {layer_index} caches {cache.lengths[layer_index]} tokens, fewer than the "
@@ -613,7 +614,7 @@ class SublayerEngine:
         layer = self.layers[layer_index]
         branches, q_len, _ = hidden.shape
         cos, sin = self.rotary(positions.to(self.device), hidden)
-        query, key, value = self._project_qkv(layer_index, layer.input_layernorm(hidden), cos, sin)
+        query, key, value = self.project_qkv(layer_index, layer.input_layernorm(hidden), cos, sin)
         # All branches' queries in one row block: (1, H, B*q, hd); keys: prefix then windows.
         query = query.transpose(0, 1).reshape(1, self.num_heads, branches * q_len, self.head_dim)
         window_keys = key.transpose(0, 1).reshape(self.kv_heads, branches * q_len, self.head_dim)
@@ -627,7 +628,7 @@ class SublayerEngine:
         mask = block_causal_mask(branches, q_len, prefix_length, self.device)
         attended = self._attend(query, keys, values, mask)  # (1, B*q, H*hd)
         attended = attended.reshape(branches, q_len, self.num_heads * self.head_dim)
-        output: torch.Tensor = hidden + self._project(layer.self_attn.o_proj, attended)
+        output: torch.Tensor = hidden + self.project(layer.self_attn.o_proj, attended)
         return output
 
     @torch.inference_mode()

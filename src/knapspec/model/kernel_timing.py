@@ -28,7 +28,7 @@ from knapspec.model.kernels import (
 from knapspec.model.onednn import onednn_available
 
 if TYPE_CHECKING:
-    from knapspec.model.engine import SublayerEngine
+    from knapspec.model.tunable import TunableEngine
 
 #: Relative margin within which two timings count as a tie (the tie goes to ``F.linear``,
 #: or to separate products for fusion).
@@ -67,7 +67,7 @@ class LinearRole:
     parts: tuple[str, ...] = ()
 
 
-def linear_roles(engine: SublayerEngine) -> tuple[list[LinearRole], list[LinearRole]]:
+def linear_roles(engine: TunableEngine) -> tuple[list[LinearRole], list[LinearRole]]:
     """The engine's plain ``nn.Linear`` roles in model order: ``(separate, fused)``.
 
     A role is listed only when every layer has it as a plain, equally shaped ``nn.Linear``
@@ -319,7 +319,7 @@ class StepCheck:
 
 @torch.inference_mode()
 def validate_large(
-    engine: SublayerEngine,
+    engine: TunableEngine,
     table: KernelTable,
     *,
     rows: int = LARGE_CHECK_ROWS,
@@ -356,7 +356,7 @@ def validate_large(
 
 @torch.inference_mode()
 def validate_table(
-    engine: SublayerEngine,
+    engine: TunableEngine,
     candidates: Mapping[str, KernelTable],
     rows: Iterable[int] = DEFAULT_VALIDATE_ROWS,
     *,

