@@ -226,9 +226,9 @@ def test_batch_rows_equal_their_prompts_alone_with_the_rows_seed(
     model: torch.nn.Module, policy: Any, slots: int | None
 ) -> None:
     """Row ``r`` samples with ``seed + r``: the tokens of its prompt alone with that seed."""
-    decoder = SpeculativeDecoder(
-        model, planner=StaticPlanner(SublayerMask.from_skipped(LAYERS, (0, 5)), 3)
-    )
+    # Proposes lookups (each row gets its own lookup drafter) and plans the sub-network
+    # the batch shares on its first row.
+    decoder = SpeculativeDecoder(model, planner=ScriptedPlanner([Choice(SUBNETWORK, 3, (0, 5))]))
     if policy is None:  # the default decoder and its default batch policy
         decoder = SpeculativeDecoder(model)
     prompts = [*PROMPTS, PROMPTS[0]]  # the same prompt in two rows: different seeds
