@@ -18,7 +18,7 @@ from pathlib import Path
 
 from knapspec.bench.env import cpu_name
 from knapspec.bench.prompts import corpus
-from knapspec.drafters import LookupDrafter
+from knapspec.drafters import DraftRequest, LookupDrafter
 from knapspec.model.provision import load_model_and_tokenizer
 
 CHECKPOINTS = (512, 1024, 2048, 4096, 8192)
@@ -45,7 +45,7 @@ def main() -> None:
             done = checkpoint
             propose_us = []
             for _ in range(args.proposals):
-                draft = drafter.propose(10)
+                draft = drafter.propose(DraftRequest(10))
                 propose_us.append(1e6 * draft.seconds)
             line = {
                 "context": checkpoint,

@@ -31,6 +31,7 @@ from knapspec.bench.env import environment
 from knapspec.bench.prompts import long_input_prompt
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.drafters.acceptance import LookupAcceptance
+from knapspec.drafters.base import DraftRequest
 from knapspec.drafters.lookup import LookupDrafter
 from knapspec.model.provision import load_model_and_tokenizer
 from knapspec.planners import AutoregressivePlanner
@@ -80,7 +81,7 @@ def replay(
     position, cost, rounds, drafted, accepted = 1, 0.0, 0, 0, 0
     while position < len(output):
         room = min(max_draft, len(output) - position - 1)
-        proposal = drafter.propose(room) if room > 0 else None
+        proposal = drafter.propose(DraftRequest(room)) if room > 0 else None
         tokens = proposal.tokens if proposal is not None else ()
         match = proposal.match_length if proposal is not None else 0
         gamma = policy.cut(tokens, match, verify) if tokens else 0
@@ -112,7 +113,7 @@ def oracle(prompt: list[int], output: list[int], verify: np.ndarray, max_draft: 
     position, cost = 1, 0.0
     while position < len(output):
         room = min(max_draft, len(output) - position - 1)
-        tokens = drafter.propose(room).tokens if room > 0 else ()
+        tokens = drafter.propose(DraftRequest(room)).tokens if room > 0 else ()
         hits = 0
         while hits < len(tokens) and tokens[hits] == output[position + hits]:
             hits += 1

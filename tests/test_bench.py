@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from knapspec.bench import (
 )
 from knapspec.bench.oracle import expected_tokens_from_runs
 from knapspec.bench.report import RunData, comparable_calls
+from knapspec.bench.report.pages import NOTES, render_docs
 from knapspec.bench.scenarios import SAMPLING
 from knapspec.config import DecoderConfig
 from knapspec.decoding.decoder import GenerationResult, SpeculativeDecoder
@@ -436,3 +438,22 @@ def test_the_lookup_oracle_share_compares_decode_phase_with_decode_phase() -> No
     table = lookup_oracle_table(RunData(Path("run"), {}, raw, [], oracle, []))
     row = table.splitlines()[2].split(" | ")
     assert row[-3:] == ["1.50", "2.00", "80% |"]  # 2.0 / 2.5, not 1.5 / 2.5
+
+
+def test_the_hand_written_notes_beside_the_runs_open_the_generated_page(tmp_path: Path) -> None:
+    """``NOTES.md`` in the runs' folder goes above the generated tables, and survives every
+    regeneration (the README's lab narrative lives there)."""
+    root = Path(__file__).resolve().parents[1] / "results" / "bench"
+    runs = [shutil.copytree(root / name, tmp_path / "bench" / name) for name in _SMALL_RUNS]
+    docs = tmp_path / "docs" / "benchmarks.md"
+    plain = render_docs([RunData.load(run) for run in runs], docs)
+    assert "## What the runs say" not in plain
+    (tmp_path / "bench" / NOTES).write_text("B = 4 gave 1.19x on that CPU.\n", encoding="utf-8")
+    noted = render_docs([RunData.load(run) for run in runs], docs)
+    section = noted.index("## What the runs say\n\nB = 4 gave 1.19x on that CPU.")
+    assert section < noted.index("## Run `")
+    assert noted.replace("## What the runs say\n\nB = 4 gave 1.19x on that CPU.\n\n", "") == plain
+
+
+#: Two small committed runs (throughput only) for report tests that need real files.
+_SMALL_RUNS = ("throughput-b4", "throughput-split")

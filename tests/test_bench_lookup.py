@@ -28,6 +28,7 @@ from knapspec.bench.oracle import lookup_candidates, lookup_replay
 from knapspec.bench.prompts import EDIT_REPLACEMENTS, edit_prompt, quote_prompt
 from knapspec.bench.runner import lookup_drafter_factory
 from knapspec.bench.scenarios import default_scenarios
+from knapspec.drafters.base import DraftRequest
 
 tiny = test_bench.tiny  # the tiny random Llama and word-level tokenizer fixture
 
@@ -164,8 +165,8 @@ class NaiveLookup:
     def extend(self, tokens: list[int]) -> None:
         self.tokens += tokens
 
-    def propose(self, max_tokens: int) -> NaiveLookup.Proposal:
-        seq = self.tokens
+    def propose(self, request: DraftRequest) -> NaiveLookup.Proposal:
+        seq, max_tokens = self.tokens, request.budget
         for n in (3, 2, 1):
             if len(seq) <= n:
                 continue
@@ -191,7 +192,7 @@ def brute_force_speedups(
             proposer = NaiveLookup()
             proposer.reset([*prompt, *continuation[:generated]])
             room = total - generated - 1
-            draft = list(proposer.propose(min(k, room)).tokens) if room > 0 else []
+            draft = list(proposer.propose(DraftRequest(min(k, room))).tokens) if room > 0 else []
             accepted = 0
             for offset, token in enumerate(draft):
                 if token != continuation[generated + offset]:

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from knapspec.decoding.verify import NonFiniteLogitsError, check_finite
+from knapspec.decoding.verify import NonFiniteLogitsError
+from knapspec.validators import check_finite
 
 
 @given(
@@ -20,16 +21,22 @@ def test_any_nan_or_inf_entry_raises(
     shape: tuple[int, ...], bad: float, where: int, seed: int
 ) -> None:
     logits = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-    check_finite(logits, "a step")  # finite: no error
+    check_finite(logits, "a step", error=NonFiniteLogitsError.during)  # finite: no error
     logits.view(-1)[where % logits.numel()] = bad
     with pytest.raises(NonFiniteLogitsError, match="during a step"):
-        check_finite(logits, "a step")
+        check_finite(logits, "a step", error=NonFiniteLogitsError.during)
 
 
 def test_huge_finite_logits_whose_sum_overflows_are_not_an_error() -> None:
     logits = torch.full((4, 49152), 3e38)  # finite entries, a sum of inf
     assert not torch.isfinite(logits.sum())
-    check_finite(logits, "a step")
+    check_finite(logits, "a step", error=NonFiniteLogitsError.during)
     logits[2, 7] = float("inf")
     with pytest.raises(NonFiniteLogitsError):
-        check_finite(logits, "a step")
+        check_finite(logits, "a step", error=NonFiniteLogitsError.during)
+
+
+def test_without_an_error_class_it_raises_a_value_error_naming_the_tensor() -> None:
+    check_finite(torch.ones(3), "p")
+    with pytest.raises(ValueError, match="p contains NaN"):
+        check_finite(torch.tensor([1.0, float("nan")]), "p")

@@ -316,3 +316,34 @@ def test_generate_in_process_streams(model_dir: Path, capsys: pytest.CaptureFixt
     captured = capsys.readouterr()
     assert captured.out.strip()  # streamed text
     assert "tokens/s" in captured.err
+
+
+def test_tune_measures_once_says_so_and_then_reads_the_cache(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """`knapspec tune` measures the kernel table and the latency profile ahead of time,
+    announcing what it measures and where it caches; a second run measures nothing."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
+    env["KNAPSPEC_CACHE"] = str(tmp_path / "cache")
+    env.pop("KNAPSPEC_PROFILE", None)
+    env.pop("KNAPSPEC_KERNELS", None)
+
+    def tune() -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "knapspec.cli", "tune", "--model", str(model_dir)]
+        return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+
+    first = tune()
+    assert first.returncode == 0, first.stderr
+    announced = [line for line in first.stderr.splitlines() if "measuring" in line]
+    assert any("kernel table at" in line for line in announced), first.stderr
+    assert any("latency profile at" in line for line in announced), first.stderr
+    paths = {}
+    for line in first.stderr.splitlines():
+        name, _, value = line.partition(": ")
+        if name in ("kernel table", "latency profile"):
+            paths[name] = Path(value)
+    assert set(paths) == {"kernel table", "latency profile"}, first.stderr
+    assert all(path.is_file() and tmp_path in path.parents for path in paths.values())
+    second = tune()
+    assert second.returncode == 0, second.stderr
+    assert "measuring" not in second.stderr

@@ -16,6 +16,7 @@ from knapspec.drafters import (
     DRAFTERS,
     Draft,
     Drafter,
+    DraftRequest,
     LookupAcceptance,
     LookupConfig,
     LookupDrafter,
@@ -101,7 +102,7 @@ def test_the_lookup_drafter_is_registered_and_proposes_one_hot_drafts() -> None:
     drafter = DRAFTERS.get("lookup").from_config(LookupConfig(max_tokens=4), None)  # type: ignore[arg-type]
     assert isinstance(drafter, LookupDrafter)
     drafter.reset([1, 2, 3, 4, 5, 6, 1, 2])
-    draft = drafter.propose(10)
+    draft = drafter.propose(DraftRequest(10))
     assert draft.tokens == (3, 4, 5, 6) and draft.drafter == "lookup" and draft.seconds >= 0
     q = draft.draft_probs(8)
     assert torch.equal(q.argmax(-1), torch.tensor([3, 4, 5, 6])) and torch.all(q.sum(-1) == 1)
@@ -291,11 +292,16 @@ def test_registration_contract(name: str) -> None:
     check_registration(DRAFTERS, name, Drafter, SublayerEngine(tiny_model("llama", 2)))
 
 
-def test_knapsack_config_refuses_unknown_drafters() -> None:
-    with pytest.raises(ValueError, match="drafters"):
-        KnapsackPlannerConfig(drafters=("subnetwork", "medusa"))
+def test_knapsack_planner_refuses_unknown_drafters() -> None:
     with pytest.raises(ValueError, match="twice"):
         KnapsackPlannerConfig(drafters=("lookup", "lookup"))
+    with pytest.raises(ValueError, match="non-empty"):
+        KnapsackPlannerConfig(drafters=("subnetwork", ""))
+    # Any registered proposing drafter may be named, so an unknown one is refused when
+    # the decoder builds it, naming it.
+    config = {"planner": {"name": "knapsack", "drafters": ["subnetwork", "medusa"]}}
+    with pytest.raises(UnknownComponentError, match="medusa"):
+        SpeculativeDecoder(tiny_model("llama", 2), config)
 
 
 def test_a_draft_record_truncates_its_distributions_too() -> None:

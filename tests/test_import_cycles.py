@@ -2,10 +2,12 @@
 
 Every module's source is parsed and each import becomes an edge to the most specific
 knapspec module it names (``from knapspec.a import b`` -> ``knapspec.a.b`` when that is a
-module, else ``knapspec.a``). Imports inside functions count (a lazy import that closes a
-cycle is still a cycle in the design), as do ``importlib.import_module("knapspec...")``
-calls with a literal name; imports under ``if TYPE_CHECKING:`` do not (they never run).
-A cycle is a strongly connected component of more than one module.
+module, else ``knapspec.a``). Every import statement counts: one inside a function (a lazy
+import that closes a cycle is still a cycle in the design) and one under ``if
+TYPE_CHECKING:`` (it never runs, but the two modules still know each other: a type that
+both need belongs in a module below them), as do ``importlib.import_module("knapspec...")``
+calls with a literal name. A cycle is a strongly connected component of more than one
+module.
 """
 
 from __future__ import annotations
@@ -28,21 +30,10 @@ def _module_files() -> dict[str, Path]:
     return modules
 
 
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    skipped: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped.update(id(inner) for inner in ast.walk(node))
-    return skipped
-
-
 def _imported_names(tree: ast.AST) -> list[str]:
-    """Dotted names each runtime import statement (or literal import_module) refers to."""
-    skipped = _type_checking_nodes(tree)
+    """Dotted names each import statement (or literal import_module) refers to."""
     names: list[str] = []
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -130,7 +121,7 @@ def test_the_walker_finds_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_the_walker_sees_lazy_and_string_imports() -> None:
+def test_the_walker_sees_lazy_type_checking_and_string_imports() -> None:
     tree = ast.parse(
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n    from knapspec.hidden import X\n"
@@ -138,8 +129,7 @@ def test_the_walker_sees_lazy_and_string_imports() -> None:
         "    importlib.import_module('knapspec.by_name')\n"
     )
     names = _imported_names(tree)
-    assert "knapspec.lazy.y" in names and "knapspec.by_name" in names
-    assert not any(name.startswith("knapspec.hidden") for name in names)
+    assert {"knapspec.lazy.y", "knapspec.by_name", "knapspec.hidden.X"} <= set(names)
 
 
 def test_every_module_is_walked() -> None:

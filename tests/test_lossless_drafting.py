@@ -137,13 +137,13 @@ def test_every_registered_drafter_is_lossless_and_drafts(
         pytest.fail(f"add a config that forces drafting with {drafter_name!r} to DRAFTER_CONFIGS")
     config = DRAFTER_CONFIGS[drafter_name]
     decoder = _decoder(model, config)
-    for drafter in decoder.drafters:  # the [drafters.NAME] params reached the proposers
+    for drafter in decoder.drafters.values():  # the [drafters.NAME] params reached them
         assert drafter.config == decoder.config.drafters[drafter.registered_name]
     assert_lossless_and_drafts(decoder, references, drafter=drafter_name)
 
 
 def test_the_lookup_section_configures_the_lookup_drafter(model: torch.nn.Module) -> None:
     decoder = _decoder(model, DRAFTER_CONFIGS["lookup"])
-    (lookup,) = decoder.drafters
+    (lookup,) = decoder.drafters.values()
     assert isinstance(lookup, LookupDrafter)
     assert (lookup.config.max_ngram, lookup.index.max_ngram, lookup.config.max_tokens) == (2, 2, 5)

@@ -52,7 +52,16 @@ if TYPE_CHECKING:
     from knapspec.decoding.decoder import GenerationResult, SpeculativeDecoder
     from knapspec.decoding.stats import GenerationStats, PlanRecord
     from knapspec.decoding.verify import NonFiniteLogitsError
-    from knapspec.drafters import DRAFTERS, Draft, Drafter, LookupDrafter, SubnetworkDrafter
+    from knapspec.drafters import (
+        DRAFTERS,
+        BatchDraftRequest,
+        Draft,
+        Drafter,
+        DraftRequest,
+        DraftTarget,
+        LookupDrafter,
+        SubnetworkDrafter,
+    )
     from knapspec.model import ContextLengthError, KVCache, SublayerEngine, UnsupportedModelError
     from knapspec.model.provision import ProvisioningError, load_model_and_tokenizer
     from knapspec.planners import (
@@ -88,7 +97,10 @@ _EXPORTS = {
     "CLaSpPlanner": "knapspec.planners",
     "COST_MODELS": "knapspec.costmodels",
     "DRAFTERS": "knapspec.drafters",
+    "BatchDraftRequest": "knapspec.drafters",
     "Draft": "knapspec.drafters",
+    "DraftRequest": "knapspec.drafters",
+    "DraftTarget": "knapspec.drafters",
     "Drafter": "knapspec.drafters",
     "LookupDrafter": "knapspec.drafters",
     "LookupPlanner": "knapspec.planners",
@@ -170,6 +182,7 @@ __all__ = [
     "AcceptanceEstimate",
     "AutoregressivePlanner",
     "BatchDraftPolicy",
+    "BatchDraftRequest",
     "BatchGenerationResult",
     "BatchSubnetwork",
     "BayesianPlanner",
@@ -185,6 +198,8 @@ __all__ = [
     "DecoderConfig",
     "Draft",
     "DraftPlan",
+    "DraftRequest",
+    "DraftTarget",
     "Drafter",
     "EarlyExitPlanner",
     "FittedLinearCostModel",

@@ -12,21 +12,16 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from knapspec.bench.report import RunData
+from knapspec.bench.markdown import markdown_table
+from knapspec.bench.report.stats import ORACLE_SHARE_THRESHOLD
 
-#: Oracle speedups at or below this are "nothing to win": no share of it is reported.
-ORACLE_SHARE_THRESHOLD = 1.1
+if TYPE_CHECKING:
+    from knapspec.bench.report.stats import RunData
+
 #: The method whose share of the oracle is reported.
 KNAPSPEC = "knapspec"
 #: Drafters in table order (``none``: plain steps, γ = 0).
 DRAFTER_ORDER = ("lookup", "subnetwork", "none")
-
-
-def _markdown(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def machine_caption(data: RunData) -> str:
@@ -112,7 +107,7 @@ def drafter_table(data: RunData) -> str:
                 f"{_share(rows, 'lookup_seconds'):.1%}",
             ]
         )
-    return _markdown(header, table)
+    return markdown_table(header, table)
 
 
 def _decode_seconds(row: dict[str, Any]) -> float | None:
@@ -185,7 +180,7 @@ def decode_phase_table(data: RunData) -> str:
                 f"{1 / share:.2f}" if share else "–",
             ]
         )
-    return _markdown(header, table)
+    return markdown_table(header, table)
 
 
 def _median_speedup(data: RunData, scenario: str, context: int, method: str) -> float | None:
@@ -261,7 +256,7 @@ def lookup_oracle_table(data: RunData) -> str:
                 ),
             ]
         )
-    return _markdown(header, rows)
+    return markdown_table(header, rows)
 
 
 __all__ = [

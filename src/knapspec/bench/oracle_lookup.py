@@ -9,6 +9,8 @@ from typing import Protocol
 
 import attrs
 
+from knapspec.drafters.base import DraftRequest
+
 
 class Proposal(Protocol):
     """What a lookup drafter proposes: the draft's token ids."""
@@ -25,7 +27,7 @@ class LookupProposer(Protocol):
 
     def extend(self, tokens: list[int]) -> None: ...
 
-    def propose(self, max_tokens: int) -> Proposal: ...
+    def propose(self, request: DraftRequest) -> Proposal: ...
 
 
 @attrs.frozen
@@ -72,7 +74,7 @@ def lookup_replay(
     position, total = 1, len(continuation)
     while position < total:
         limit = min(draft_length, total - position - 1)
-        draft = list(proposer.propose(limit).tokens)[:limit] if limit > 0 else []
+        draft = list(proposer.propose(DraftRequest(limit)).tokens)[:limit] if limit > 0 else []
         accepted = 0
         while accepted < len(draft) and draft[accepted] == continuation[position + accepted]:
             accepted += 1

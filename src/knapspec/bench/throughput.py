@@ -28,19 +28,63 @@ by ``ar``'s in the same round.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import torch
 
-from knapspec.bench.methods import REFERENCE, MethodSpec
+from knapspec.bench.methods import REFERENCE, MethodSpec, SupportsGenerate
 from knapspec.bench.records import THROUGHPUT, LosslessnessError, append_jsonl
 
 if TYPE_CHECKING:
-    from knapspec.bench.runner import Harness
     from knapspec.bench.scenarios import BenchPrompt, Scenario
     from knapspec.decoding.decoder import SpeculativeDecoder
+
+
+class ThroughputOptions(Protocol):
+    """The run settings the throughput scenario reads (the harness's ``BenchOptions``)."""
+
+    @property
+    def methods(self) -> Sequence[MethodSpec]: ...
+
+    @property
+    def warmup_tokens(self) -> int: ...
+
+    @property
+    def pairs(self) -> int: ...
+
+
+class ThroughputHarness(Protocol):
+    """What :func:`run_throughput` needs of the bench harness
+    (:class:`knapspec.bench.runner.Harness`, which calls it: naming the class here would
+    make the two modules know each other)."""
+
+    @property
+    def options(self) -> ThroughputOptions: ...
+
+    @property
+    def model(self) -> Any: ...
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def eos(self) -> list[int] | None: ...
+
+    @property
+    def decoders(self) -> Mapping[str, SupportsGenerate]: ...
+
+    @property
+    def bar(self) -> Any: ...
+
+    @property
+    def run_dir(self) -> Path: ...
+
+    def record_extra(self) -> dict[str, Any]:
+        """The fields every raw record of the run carries."""
+        ...
 
 
 @attrs.frozen
@@ -225,7 +269,7 @@ def _pad_id(tokenizer: Any, eos: Sequence[int] | None) -> int:
     return int(eos[0]) if eos else 0
 
 
-def run_throughput(harness: Harness, scenario: Scenario, context: int) -> None:
+def run_throughput(harness: ThroughputHarness, scenario: Scenario, context: int) -> None:
     """The throughput scenario at one length: every batch size, written to
     ``throughput.jsonl`` (module docstring)."""
     options, bar = harness.options, harness.bar
@@ -295,6 +339,8 @@ def run_throughput(harness: Harness, scenario: Scenario, context: int) -> None:
 
 __all__ = [
     "BatchCall",
+    "ThroughputHarness",
+    "ThroughputOptions",
     "ThroughputRecord",
     "engine_generate_batch",
     "hf_generate_batch",

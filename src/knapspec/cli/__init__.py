@@ -1,4 +1,4 @@
-"""The ``knapspec`` command: ``generate``, ``plan``, ``profile`` and ``bench``.
+"""The ``knapspec`` command: ``generate``, ``plan``, ``profile``, ``tune`` and ``bench``.
 
 Every subcommand reads a decoder config (``--config FILE``, TOML or JSON; the built-in
 defaults otherwise) and applies ``--set KEY=VALUE`` overrides in order. Exit codes: 0 on
@@ -13,13 +13,15 @@ during those imports is caught too.
 
 The package: this module runs the command and turns errors into exit codes;
 :mod:`~knapspec.cli.parser` builds the parser; :mod:`~knapspec.cli.generate` (one prompt),
-:mod:`~knapspec.cli.batch` (``--prompts-file``) and :mod:`~knapspec.cli.plan` (``plan``,
-``profile``) do the work, reading their input through :mod:`~knapspec.cli.inputs`;
-:mod:`~knapspec.cli.common` holds what they and the ``bench`` harness share.
+:mod:`~knapspec.cli.batch` (``--prompts-file``), :mod:`~knapspec.cli.plan` (``plan``,
+``profile``) and :mod:`~knapspec.cli.tune` (``tune``) do the work, reading their input
+through :mod:`~knapspec.cli.inputs`; :mod:`~knapspec.cli.common` holds what they and the
+``bench`` harness share.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import warnings
 from collections.abc import Sequence
@@ -32,6 +34,7 @@ from knapspec.cli.parser import build_parser
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``knapspec`` command line; returns the process exit code."""
     _one_line_cache_warnings()
+    _announce_measurements()
     try:
         return _main(argv)
     except KeyboardInterrupt:  # anywhere, the heavy imports included
@@ -80,6 +83,20 @@ def _error_classes() -> tuple[tuple[type[Exception], ...], tuple[type[Exception]
         ProfileError,
     )
     return usage, run
+
+
+def _announce_measurements() -> None:
+    """Print the library's INFO lines (a kernel table or latency profile being measured:
+    what, how long, where it is cached) on stderr as ``knapspec: ...``: nothing the
+    command does measures this machine silently."""
+    logger = logging.getLogger("knapspec")
+    if any(getattr(handler, "knapspec", False) for handler in logger.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"{PROG}: %(message)s"))
+    handler.knapspec = True  # type: ignore[attr-defined]
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 def _one_line_cache_warnings() -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from knapspec.cli.common import PROG, load_decoder_config, positive_int
 from knapspec.cli.generate import run_generate
 from knapspec.cli.plan import run_plan, run_profile
+from knapspec.cli.tune import run_tune
 
 
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
@@ -182,9 +183,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_options(profile)
     profile.set_defaults(handler=run_profile)
 
+    tune = commands.add_parser(
+        "tune",
+        help="measure this machine once, ahead of time (kernel table, latency profile)",
+        description="Measure what SpeculativeDecoder(model) would measure on first use on "
+        "this machine, and cache it: the engine's matrix-product kernel table and, for the "
+        "configured cost model, a quick latency profile. Each measurement is announced on "
+        "stderr (what, how long, where it is cached); what is cached already is read.",
+    )
+    _add_model_option(tune)
+    _add_config_options(tune)
+    tune.set_defaults(handler=run_tune)
+
     bench = commands.add_parser(
         "bench",
-        help="run the benchmark harness (its own options: knapspec bench --help)",
+        help="run the benchmark harness or Spec-Bench (knapspec bench --help, knapspec bench "
+        "spec-bench --help)",
         description="Benchmark harness; every argument after 'bench' is passed to it.",
         add_help=False,
     )

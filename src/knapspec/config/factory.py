@@ -58,27 +58,36 @@ def build_components(
 
 
 def build_drafters(
-    config: DecoderConfig, engine: SublayerEngine, names: Iterable[str]
-) -> list[Drafter]:
-    """The drafters ``names`` (those a planner reads proposals of, its
-    ``proposal_drafters()``), each built from its ``[drafters.NAME]`` params.
+    config: DecoderConfig,
+    engine: SublayerEngine,
+    names: Iterable[str],
+    *,
+    proposers: Iterable[str] = (),
+) -> dict[str, Drafter]:
+    """The drafters ``names`` (those a planner's plans may name, its ``plan_drafters()``),
+    each built from its ``[drafters.NAME]`` params, by name.
+
+    Args:
+        proposers: the names the planner reads proposals of before planning (its
+            ``proposal_drafters()``); each must declare ``proposes_before_planning``.
 
     Raises:
         UnknownComponentError: a name that is not a registered drafter.
-        ConfigError: a drafter that does not propose before planning (the decoder runs it
+        ConfigError: a proposer that does not propose before planning (the decoder runs it
             only once a plan chose it), or params ``from_config`` rejected.
     """
-    drafters: list[Drafter] = []
-    for name in sorted(names):
+    drafters: dict[str, Drafter] = {}
+    proposing = set(proposers)
+    for name in sorted(set(names) | proposing):
         cls = DRAFTERS.get(name)
-        if not cls.proposes_before_planning:
+        if name in proposing and not cls.proposes_before_planning:
             raise ConfigError(
                 f"drafters.{name}: the planner reads proposals of {name!r}, which does not "
                 "propose before planning (proposes_before_planning is False)"
             )
         params = config.drafters.get(name)  # None for a drafter registered after the config
         try:
-            drafters.append(cls.from_config(params, engine))
+            drafters[name] = cls.from_config(params, engine)
         except ValueError as error:
             raise ConfigError(f"drafters.{name}: {error}") from error
     return drafters

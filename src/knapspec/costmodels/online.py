@@ -45,7 +45,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from knapspec.costmodels.base import COST_MODELS, CostModel, LatencyObservation
 from knapspec.costmodels.linear import MIN_SECONDS, FittedLinearCostModel, LinearCoefficients
-from knapspec.costmodels.rls import RecursiveLeastSquares
+from knapspec.costmodels.rls import FORGETTING_FACTOR, RecursiveLeastSquares
 from knapspec.costmodels.store import load_or_measure_profile
 from knapspec.types import SublayerMask
 from knapspec.validators import interval, non_empty_string, optional
@@ -86,12 +86,16 @@ class OnlineCalibratedCostModelConfig:
     pooled: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     force: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     forgetting_factor: float = attrs.field(
-        default=0.98, validator=interval(0.0, 1.0, low_open=True)
+        default=FORGETTING_FACTOR, validator=interval(0.0, 1.0, low_open=True)
     )
     initial_uncertainty: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))
     innovation_clip: float = attrs.field(default=0.5, validator=attrs.validators.gt(0))
     outlier_ratio: float = attrs.field(default=10.0, validator=attrs.validators.gt(1))
     outlier_patience: int = attrs.field(default=5, validator=attrs.validators.ge(1))
+
+
+#: The defaults, written once (in the record) for the keyword arguments too.
+_DEFAULTS = OnlineCalibratedCostModelConfig()
 
 
 @COST_MODELS.register("online")
@@ -124,11 +128,11 @@ class OnlineCalibratedCostModel(CostModel):
         self,
         prior: FittedLinearCostModel,
         *,
-        forgetting_factor: float = 0.98,
-        initial_uncertainty: float = 1.0,
-        innovation_clip: float = 0.5,
-        outlier_ratio: float = 10.0,
-        outlier_patience: int = 5,
+        forgetting_factor: float = _DEFAULTS.forgetting_factor,
+        initial_uncertainty: float = _DEFAULTS.initial_uncertainty,
+        innovation_clip: float = _DEFAULTS.innovation_clip,
+        outlier_ratio: float = _DEFAULTS.outlier_ratio,
+        outlier_patience: int = _DEFAULTS.outlier_patience,
     ) -> None:
         self.prior = prior
         self.forgetting_factor = forgetting_factor

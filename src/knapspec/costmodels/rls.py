@@ -8,6 +8,9 @@ from numpy.typing import ArrayLike, NDArray
 from sklearn.base import BaseEstimator, RegressorMixin
 from sklearn.utils.validation import check_array, check_is_fitted
 
+#: The default forgetting factor ``λ``: memory of about ``1 / (1 - λ)`` = 50 observations.
+FORGETTING_FACTOR = 0.98
+
 
 class RecursiveLeastSquares(BaseEstimator, RegressorMixin):  # type: ignore[misc]
     """Exponentially weighted recursive least squares, scikit-learn style.
@@ -32,7 +35,7 @@ class RecursiveLeastSquares(BaseEstimator, RegressorMixin):  # type: ignore[misc
 
     def __init__(
         self,
-        forgetting_factor: float = 0.98,
+        forgetting_factor: float = FORGETTING_FACTOR,
         initial_covariance: float = 100.0,
         max_covariance_trace: float | None = None,
         coef_init: ArrayLike | None = None,
@@ -139,4 +142,4 @@ class RecursiveLeastSquares(BaseEstimator, RegressorMixin):  # type: ignore[misc
         return np.asarray(features @ self.coef_, dtype=np.float64)
 
 
-__all__ = ["RecursiveLeastSquares"]
+__all__ = ["FORGETTING_FACTOR", "RecursiveLeastSquares"]

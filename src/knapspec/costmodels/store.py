@@ -79,6 +79,7 @@ def load_or_measure_profile(
         measure=lambda: profile_engine(engine, quick=True, progress=progress),
         render=LatencyProfile.to_json,
         what="latency profile",
+        measures="each sublayer's latency for the cost model (a quick profile, a few seconds)",
     )
 
 

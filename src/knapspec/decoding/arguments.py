@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 import torch
 
-from knapspec.model.engine import ContextLengthError
+from knapspec.model.engine import ContextLengthError, SublayerEngine
 from knapspec.sampling import SamplingParams
 
 
@@ -74,6 +74,34 @@ def batch_rows_limit(max_batch_rows: object) -> int | None:
     if int(max_batch_rows) < 1:
         raise ValueError(f"max_batch_rows must be >= 1, got {int(max_batch_rows)}")
     return int(max_batch_rows)
+
+
+def single_prompt(input_ids: torch.Tensor | Sequence[int], engine: SublayerEngine) -> torch.Tensor:
+    """``(n,)`` long token ids on ``engine``'s device from a single prompt: ``(n,)`` or
+    ``(1, n)`` ids, or a list of ints.
+
+    Raises:
+        ValueError: several rows (the message says how to pass a batch), another shape,
+            an empty prompt, non-integer ids or ids outside ``[0, vocab)``.
+    """
+    ids = torch.as_tensor(input_ids)
+    if ids.dim() == 2:
+        if ids.shape[0] != 1:
+            raise ValueError(
+                f"input_ids has {ids.shape[0]} rows: pass attention_mask "
+                f"(torch.ones_like(input_ids) for a batch without padding) or a list of "
+                f"sequences for a batch, or call generate_batch"
+            )
+        ids = ids[0]
+    if ids.dim() != 1:
+        raise ValueError(f"input_ids must have shape (n,) or (1, n), got {tuple(ids.shape)}")
+    if ids.numel() == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
+    if int(ids.min()) < 0 or int(ids.max()) >= engine.vocab_size:
+        raise ValueError(f"token ids must be in [0, {engine.vocab_size}); got out-of-range ids")
+    return ids.to(device=engine.device, dtype=torch.long)
 
 
 def batch_prompts(
@@ -189,5 +217,6 @@ __all__ = [
     "new_token_limit",
     "row_generators",
     "sampling_params",
+    "single_prompt",
     "stop_set",
 ]

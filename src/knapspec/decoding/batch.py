@@ -2,7 +2,7 @@
 
 One round over the active rows::
 
-    proposals = each row's lookup continuation            # per-row n-gram index
+    proposals = each row's proposal (e.g. its lookup)      # per-row drafter copies
     plan      = policy.plan_round(...)                     # batch-level TPT: γ_r, drafter_r
     drafts    = lookup rows: their proposal's first γ_r tokens;
                 sub-network rows: G = max γ_r batched steps of the shared mask
@@ -11,12 +11,18 @@ One round over the active rows::
     each row keeps its accepted prefix + one target token; its cache length moves to
     exactly its committed tokens (a row that accepts 0 and one that accepts all coexist)
 
-The sub-network (a layer-skipping mask) is chosen once per call: the decoder's planner
-plans on the first row right after its prefill (:class:`SubnetworkPlanner`), and the
-policy prices it every round against the rows' lookup drafts and γ = 0. Its batched steps
-run on every active row (one product over all rows; a row that drafts with lookup ignores
-its sub-network tokens) and write K/V only past the rows' committed lengths, where the
-verification overwrites them.
+Drafters take part as they declare (:mod:`knapspec.drafters.base`), never by name: each
+drafter the planner reads proposals of (its ``proposal_drafters()``) gets one copy per row
+(``Drafter.for_row``) that proposes before every round, and a row offers the policy its
+longest proposal. The shared draft (a layer-skipping mask) is chosen once per call: the
+decoder's planner plans on the first row right after its prefill
+(:class:`SubnetworkPlanner`); when the drafter it names drafts rows together
+(``Drafter.drafts_rows_together``), the policy prices it every round against the rows'
+proposals and γ = 0. Its batched steps (``Drafter.propose_batch``) run on every active row
+(one product over all rows; a row that drafts its proposal ignores them) and write K/V
+only past the rows' committed lengths, where the verification overwrites them. A plan
+naming a drafter that drafts row by row and runs the model has no batch form: the batch
+then drafts the rows' proposals only.
 
 Rows that stop (EOS or ``max_new_tokens``) leave the batch: the cache packs the remaining
 rows to the front and later steps compute only those. Each row's prefill runs alone
@@ -34,7 +40,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import attrs
@@ -44,11 +50,11 @@ from knapspec.decoding.arguments import batch_prompts
 from knapspec.decoding.batch_policy import BatchDraftPolicy, BatchSubnetwork, RoundPlan
 from knapspec.decoding.run import PREFILL_WINDOW_TOKENS
 from knapspec.decoding.stats import GenerationStats
-from knapspec.decoding.verify import check_finite, verify_greedy, verify_sampling
-from knapspec.drafters.base import LOOKUP, SUBNETWORK, Draft
-from knapspec.drafters.lookup import LookupDrafter
+from knapspec.decoding.verify import NonFiniteLogitsError, verify_greedy, verify_sampling
+from knapspec.drafters.base import NO_DRAFT, BatchDraftRequest, Draft, Drafter, DraftRequest
 from knapspec.model.batched import forward_batch, new_batch_cache
 from knapspec.sampling import SamplingParams, processed_probs, sample_token
+from knapspec.validators import check_finite
 
 if TYPE_CHECKING:
     from knapspec.model.batch_cache import BatchKVCache
@@ -112,7 +118,11 @@ class BatchRun:
         scratch: a single-sequence cache each prompt is prefilled in, one at a time.
         prompts: the rows' prompts (checked by :func:`batch_prompts`).
         policy: chooses each row's γ per round.
-        lookup: a drafter whose config every row's own lookup drafter copies.
+        drafters: by registered name, the decoder's drafters: those in ``proposers`` are
+            copied per row (``for_row``), the one the sub-network plan names drafts the
+            rows together (``propose_batch``).
+        proposers: the drafters that propose before every round (the planner's
+            ``proposal_drafters()``).
         generators: per row, its sampling generator (None when greedy).
         plan_subnetwork: chooses the sub-network on the first row (None: lookup only).
         capture_points: the first row's prefill records the item points (the planner
@@ -134,7 +144,8 @@ class BatchRun:
         params: SamplingParams,
         policy: BatchDraftPolicy,
         max_draft_length: int,
-        lookup: LookupDrafter | None,
+        drafters: Mapping[str, Drafter],
+        proposers: Iterable[str] = (),
         generators: list[torch.Generator | None],
         plan_subnetwork: SubnetworkPlanner | None = None,
         capture_points: bool = False,
@@ -154,9 +165,9 @@ class BatchRun:
         self.subnetwork: BatchSubnetwork | None = None
         count = len(prompts)
         self.slots = count if slots is None else max(1, min(slots, count))
-        self.drafters = [
-            LookupDrafter(lookup.config if lookup is not None else None) for _ in range(count)
-        ]
+        self.shared_drafters = drafters
+        names = sorted(proposers)
+        self.drafters = [[drafters[name].for_row(engine) for name in names] for _ in range(count)]
         self.stats = [GenerationStats(prompt_tokens=p.numel()) for p in prompts]
         self.outputs: list[list[int]] = [[] for _ in range(count)]
         self.synchronize = engine.device.type == "cuda"
@@ -168,9 +179,14 @@ class BatchRun:
 
     def _choose(self, row: int, logits: torch.Tensor) -> int:
         """One token from ``logits (vocab,)`` for ``row``: argmax or a sample."""
+        return self._choose_with_q(row, logits)[0]
+
+    def _choose_with_q(self, row: int, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """``row``'s token from ``logits (vocab,)`` and, when sampled, its distribution."""
         if not self.params.do_sample:
-            return int(logits.argmax())
-        return sample_token(processed_probs(logits, self.params), self.generators[row])
+            return int(logits.argmax()), None
+        q = processed_probs(logits, self.params)
+        return sample_token(q, self.generators[row]), q
 
     def _commit(self, row: int, tokens: list[int]) -> int:
         """Append up to the limit / first stop token; returns how many were kept."""
@@ -229,13 +245,14 @@ class BatchRun:
             capture_points=capture,
             capture_last=min(PREFILL_WINDOW_TOKENS, prompt.numel()) if capture else None,
         )
-        check_finite(out.logits, f"prefill of row {row}")
+        check_finite(out.logits, f"prefill of row {row}", error=NonFiniteLogitsError.during)
         cache.append_row(self.scratch, prompt.numel())
         active.append(row)
         token = self._choose(row, out.logits[-1])
         pending[row] = token
         self._commit(row, [token])
-        self.drafters[row].reset([*prompt.tolist(), token])
+        for drafter in self.drafters[row]:
+            drafter.reset([*prompt.tolist(), token])
         self.stats[row].prefill_time_s = self._now() - started
         if planning and self.plan_subnetwork is not None:
             # The scratch cache still holds this row's prefill: the planner reads it.
@@ -271,7 +288,8 @@ class BatchRun:
                 engine.max_context - lengths[row] - 1,
             )
             rooms.append(max(0, room))
-            proposals.append(self.drafters[row].propose(rooms[-1]))
+            request = DraftRequest(rooms[-1], pending[row], lengths[row])
+            proposals.append(_longest(d.propose(request) for d in self.drafters[row]))
         contexts = [lengths[row] for row in active]
         plan = self.policy.plan_round(active, proposals, contexts, rooms)
         lookup_time = self._now() - started
@@ -285,7 +303,7 @@ class BatchRun:
         verify_start = self._now()
         # (Σ widths, vocab): row after row, only the real tokens' logits.
         logits = forward_batch(engine, inputs, contexts, cache, widths=widths, packed_logits=True)
-        check_finite(logits, "batched verification")
+        check_finite(logits, "batched verification", error=NonFiniteLogitsError.during)
         new_lengths = []
         offset = 0
         for slot, row in enumerate(active):
@@ -304,14 +322,15 @@ class BatchRun:
             new_lengths.append(lengths[row])
             committed = self._commit(row, verdict.tokens)
             kept = verdict.tokens[:committed]
-            self.drafters[row].extend(kept)
+            for drafter in self.drafters[row]:
+                drafter.extend(kept)
             self.policy.observe(row, proposals[slot], kept)
-            if draft.drafter == SUBNETWORK and tokens:
+            if self.subnetwork is not None and draft.drafter == self.subnetwork.drafter and tokens:
                 self.policy.observe_subnetwork(row, len(tokens), verdict.accepted)
             pending[row] = verdict.tokens[-1]
             self.stats[row].lookup_time_s += lookup_time
             self.stats[row].record_round(
-                len(tokens), verdict.accepted, committed, draft.drafter if tokens else "none"
+                len(tokens), verdict.accepted, committed, draft.drafter if tokens else NO_DRAFT
             )
         cache.set_lengths(new_lengths)
         # Not fed to the cost model: a batched pass is not a single sequence's verification
@@ -332,10 +351,10 @@ class BatchRun:
         proposals: list[Draft],
         plan: RoundPlan,
     ) -> list[Draft]:
-        """Each active row's draft under ``plan``: its lookup proposal cut to γ_r, or its
-        first γ_r sub-network tokens."""
+        """Each active row's draft under ``plan``: its proposal cut to γ_r, or its first
+        γ_r tokens of the shared drafter's batched steps."""
         drafts = [
-            Draft((), LOOKUP) if sub else proposal.truncated(gamma)
+            _NO_DRAFT if sub else proposal.truncated(gamma)
             for proposal, gamma, sub in zip(
                 proposals, plan.draft_lengths, plan.subnetwork_rows, strict=True
             )
@@ -345,63 +364,42 @@ class BatchRun:
         steps = min(plan.draft_steps, headroom)
         if steps <= 0 or self.subnetwork is None:
             return drafts
-        tokens, probs, seconds = self._run_subnetwork(active, cache, pending, contexts, steps)
+        mean_context = round(sum(contexts) / len(contexts))
+        request = BatchDraftRequest(
+            self.engine,
+            cache,
+            [pending[row] for row in active],
+            contexts,
+            steps,
+            self.subnetwork.mask,
+            lambda slot, logits, position: self._choose_with_q(active[slot], logits),
+            self._now,
+            on_step=lambda seconds: self.policy.observe_draft_pass(
+                len(active), mean_context, seconds
+            ),
+        )
+        shared = self.shared_drafters[self.subnetwork.drafter].propose_batch(request)
         for slot, (gamma, sub) in enumerate(
             zip(plan.draft_lengths, plan.subnetwork_rows, strict=True)
         ):
-            gamma = min(gamma, steps)
-            if sub and gamma:
-                row_probs = probs[slot][:gamma] if probs is not None else None
-                drafts[slot] = Draft(
-                    tuple(tokens[slot][:gamma]), SUBNETWORK, probs=row_probs, seconds=seconds
-                )
+            if sub and min(gamma, steps):
+                drafts[slot] = shared[slot].truncated(min(gamma, steps))
         for row in active:
-            self.stats[row].draft_time_s += seconds
+            self.stats[row].draft_time_s += shared[0].seconds
         return drafts
 
-    def _run_subnetwork(
-        self,
-        active: list[int],
-        cache: BatchKVCache,
-        pending: list[int],
-        contexts: list[int],
-        steps: int,
-    ) -> tuple[list[list[int]], list[torch.Tensor] | None, float]:
-        """``steps`` batched steps of the sub-network on every active row, from its pending
-        token; per row its draft tokens, their distributions ``(steps, vocab)`` when
-        sampling, and the seconds the steps took.
 
-        Each step writes the executed layers' K/V one position further; the rows' lengths
-        move with the steps and return to the committed ``contexts`` afterwards (the
-        verification overwrites every drafted position)."""
-        assert self.subnetwork is not None
-        engine, mask = self.engine, self.subnetwork.mask
-        started = self._now()
-        current = [pending[row] for row in active]
-        tokens: list[list[int]] = [[] for _ in active]
-        probs: list[list[torch.Tensor]] = [[] for _ in active]
-        mean_context = round(sum(contexts) / len(contexts))
-        try:
-            for step in range(steps):
-                step_start = self._now()
-                starts = [context + step for context in contexts]
-                cache.set_lengths(starts)
-                inputs = torch.tensor(current, dtype=torch.long).unsqueeze(1)
-                logits = forward_batch(engine, inputs, starts, cache, all_logits=False, mask=mask)
-                check_finite(logits, "batched drafting")
-                for slot, row in enumerate(active):
-                    if self.params.do_sample:
-                        q = processed_probs(logits[slot], self.params)
-                        current[slot] = sample_token(q, self.generators[row])
-                        probs[slot].append(q)
-                    else:
-                        current[slot] = int(logits[slot].argmax())
-                    tokens[slot].append(current[slot])
-                self.policy.observe_draft_pass(len(active), mean_context, self._now() - step_start)
-        finally:
-            cache.set_lengths(list(contexts))
-        stacked = [torch.stack(p) for p in probs] if self.params.do_sample else None
-        return tokens, stacked, self._now() - started
+#: The empty draft of a row that drafts nothing this round.
+_NO_DRAFT = Draft((), NO_DRAFT)
+
+
+def _longest(proposals: Iterable[Draft]) -> Draft:
+    """The longest of a row's proposals (the first on a tie; empty when none)."""
+    best = _NO_DRAFT
+    for proposal in proposals:
+        if len(proposal) > len(best):
+            best = proposal
+    return best
 
 
 __all__ = ["BatchGenerationResult", "BatchRun", "SubnetworkPlanner", "batch_prompts"]

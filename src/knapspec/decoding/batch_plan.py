@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from knapspec.types import SublayerMask
+from knapspec.types import SUBNETWORK, SublayerMask
 from knapspec.validators import interval
 
 
@@ -23,6 +23,8 @@ class BatchSubnetwork:
             prediction where it made one).
         prior_tokens: weight of that prior, in drafted tokens.
         source: who chose the mask (a planner's name), for the stats.
+        drafter: the registered drafter that drafts under the mask, one that drafts a
+            batch's rows together (``Drafter.drafts_rows_together``).
     """
 
     mask: SublayerMask
@@ -31,6 +33,7 @@ class BatchSubnetwork:
     )
     prior_tokens: float = attrs.field(default=4.0, validator=interval(0.0, math.inf))
     source: str = ""
+    drafter: str = SUBNETWORK
 
 
 @attrs.define

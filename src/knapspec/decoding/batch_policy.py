@@ -60,7 +60,7 @@ from knapspec.decoding.batch_pricing import (
     packed_verify_cost,
 )
 from knapspec.drafters.acceptance import LookupAcceptance
-from knapspec.drafters.base import LOOKUP, SUBNETWORK, Draft
+from knapspec.drafters.base import Draft
 from knapspec.planners.objective import chained_expected_tokens
 
 FloatArray = np.ndarray[Any, np.dtype[np.float64]]
@@ -209,7 +209,8 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         calibration: the learned correction of batched verification costs; pass the same
             object to the next batch's policy to keep what it learned (the decoder does).
         draft_calibration: the same for batched sub-network steps (keyed by rows).
-        lookup: whether rows may draft their lookup proposals (False: sub-network only).
+        lookup: whether rows may draft their proposals (lookup's or any drafter's that
+            proposes before planning; False: the shared sub-network only).
     """
 
     def __init__(
@@ -237,7 +238,8 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         self.acceptance: list[LookupAcceptance] = []
         self.subnetwork_acceptance: list[SubnetworkAcceptance] = []
         #: The last round's predicted tokens per second: ``"plain"`` (γ = 0) and the best
-        #: round found with ``"lookup"`` / ``"subnetwork"`` drafts (diagnostics).
+        #: round found with the rows' ``"proposals"`` / the shared drafter's (by its name,
+        #: ``"subnetwork"``) drafts (diagnostics).
         self.last_tokens_per_second: dict[str, float] = {}
 
     def reset(self, rows: int) -> None:
@@ -329,16 +331,16 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         best_of = {"plain": plain}
         for cap in range(1, longest + 1):
             tpt, gammas = self._best_lookup(gains, lookup_lengths, cap, prices)
-            if tpt > best_of.get(LOOKUP, 0.0):
-                best_of[LOOKUP] = tpt
+            if tpt > best_of.get("proposals", 0.0):
+                best_of["proposals"] = tpt
             if tpt > best_tpt:
                 best_tpt, best_plan = tpt, RoundPlan.lookup(gammas)
             if offer is None:
                 continue
             option = self._subnetwork_option(cap, rooms, alphas, gains, gammas, prices)
             if option is not None:
-                if option[0] > best_of.get(SUBNETWORK, 0.0):
-                    best_of[SUBNETWORK] = option[0]
+                if option[0] > best_of.get(offer.drafter, 0.0):
+                    best_of[offer.drafter] = option[0]
                 if option[0] > best_tpt:
                     best_tpt, best_plan = option
         self.last_tokens_per_second = best_of

@@ -34,6 +34,7 @@ from knapspec.decoding.arguments import (
     new_token_limit,
     row_generators,
     sampling_params,
+    single_prompt,
     stop_set,
 )
 from knapspec.decoding.batch import (
@@ -49,9 +50,7 @@ from knapspec.decoding.batch_policy import (
     PlainBatchPolicy,
 )
 from knapspec.decoding.run import GenerationResult, LogitsProcessor, Run
-from knapspec.drafters.base import LOOKUP, SUBNETWORK, Drafter
-from knapspec.drafters.lookup import LookupDrafter
-from knapspec.drafters.subnetwork import SubnetworkDrafter
+from knapspec.drafters.base import Drafter
 from knapspec.model.engine import ContextLengthError, SublayerEngine
 from knapspec.planners.base import Planner, PlanningContext
 from knapspec.proxies.base import ValueProxy
@@ -144,11 +143,13 @@ class SpeculativeDecoder:
         self._batch_calibration = BatchPassCalibration()
         self._batch_draft_calibration = BatchPassCalibration()
         self._calibrated_cost_model = self.cost_model
-        self._subnetwork = SubnetworkDrafter()
-        #: The drafters whose proposals the planner reads before planning (its
-        #: ``proposal_drafters()``), built from their ``[drafters.NAME]`` params.
-        self.drafters: list[Drafter] = build_drafters(
-            self.config, self.engine, self.planner.proposal_drafters()
+        #: By registered name, every drafter the planner's plans may name (its
+        #: ``plan_drafters()``), built from their ``[drafters.NAME]`` params.
+        self.drafters: dict[str, Drafter] = build_drafters(
+            self.config,
+            self.engine,
+            self.planner.plan_drafters(),
+            proposers=self.planner.proposal_drafters(),
         )
         # generate() uses the cache and window above: one call at a time.
         self._lock = threading.Lock()
@@ -261,7 +262,7 @@ class SpeculativeDecoder:
                 eos_token_id=eos_token_id,
                 sampling=sampling,
             )
-        prompt = self._validate_prompt(input_ids)  # type: ignore[arg-type]
+        prompt = single_prompt(input_ids, self.engine)  # type: ignore[arg-type]
         max_new_tokens = new_token_limit(max_new_tokens)
         self.engine.check_context(prompt.numel() + max_new_tokens)
         params = sampling_params(sampling) if sampling is not None else self.sampling
@@ -335,12 +336,11 @@ class SpeculativeDecoder:
                     self.max_draft_length,
                     calibration=self._batch_calibration,
                     draft_calibration=self._batch_draft_calibration,
-                    lookup=LOOKUP in self.planner.proposal_drafters(),
+                    lookup=bool(self.planner.proposal_drafters()),
                 )
                 if self.cost_model is not None
                 else PlainBatchPolicy()
             )
-        lookup = next((d for d in self.drafters if isinstance(d, LookupDrafter)), None)
         with self._lock:
             run = BatchRun(
                 self.engine,
@@ -351,7 +351,8 @@ class SpeculativeDecoder:
                 params=params,
                 policy=policy,
                 max_draft_length=self.max_draft_length,
-                lookup=lookup,
+                drafters=self.drafters,
+                proposers=self.planner.proposal_drafters(),
                 generators=generators,
                 plan_subnetwork=self._batch_subnetwork_planner(params, limit),
                 capture_points=self.planner.uses_window,
@@ -362,8 +363,9 @@ class SpeculativeDecoder:
     def _batch_subnetwork_planner(
         self, params: SamplingParams, max_new_tokens: int
     ) -> SubnetworkPlanner:
-        """What a batch asks the planner after its first row's prefill: the sub-network
-        it would draft that row with (None when it plans γ = 0 or another drafter). The
+        """What a batch asks the planner after its first row's prefill: the drafter and
+        mask it would draft that row with, when that drafter drafts a batch's rows
+        together (None when it plans γ = 0 or a drafter that drafts row by row). The
         planner's single-sequence state is reset first, as every ``generate`` does."""
 
         def plan(
@@ -393,11 +395,14 @@ class SpeculativeDecoder:
                     proposals=(),
                 )
             )
-            if decision.drafter != SUBNETWORK or decision.draft_length == 0:
+            drafter = self.drafters.get(decision.drafter)
+            if drafter is None or not drafter.drafts_rows_together or not decision.draft_length:
                 return None
             prior = decision.predicted_acceptance
             prior = 0.5 if prior is None else min(max(prior, 0.01), 0.99)
-            return BatchSubnetwork(decision.mask, prior, source=decision.source)
+            return BatchSubnetwork(
+                decision.mask, prior, source=decision.source, drafter=decision.drafter
+            )
 
         return plan
 
@@ -420,31 +425,24 @@ class SpeculativeDecoder:
                 seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
             generator.manual_seed(seed)
         run = Run(
-            self, prompt, max_new_tokens, stop_ids, params, generator, streamer, logits_processor
+            self.engine,
+            self._cache,
+            self._window,
+            self.planner,
+            self.drafters,
+            cost_model=self.cost_model,
+            proxy=self.proxy,
+            max_draft_length=self.max_draft_length,
+            confidence_threshold=self.confidence_threshold,
+            prompt=prompt,
+            max_new_tokens=max_new_tokens,
+            stop_ids=stop_ids,
+            params=params,
+            generator=generator,
+            streamer=streamer,
+            logits_processor=logits_processor,
         )
         return run.execute()
-
-    def _validate_prompt(self, input_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
-        ids = torch.as_tensor(input_ids)
-        if ids.dim() == 2:
-            if ids.shape[0] != 1:
-                raise ValueError(
-                    f"input_ids has {ids.shape[0]} rows: pass attention_mask "
-                    f"(torch.ones_like(input_ids) for a batch without padding) or a list of "
-                    f"sequences for a batch, or call generate_batch"
-                )
-            ids = ids[0]
-        if ids.dim() != 1:
-            raise ValueError(f"input_ids must have shape (n,) or (1, n), got {tuple(ids.shape)}")
-        if ids.numel() == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
-        if int(ids.min()) < 0 or int(ids.max()) >= self.engine.vocab_size:
-            raise ValueError(
-                f"token ids must be in [0, {self.engine.vocab_size}); got out-of-range ids"
-            )
-        return ids.to(device=self.engine.device, dtype=torch.long)
 
 
 __all__ = ["ContextLengthError", "GenerationResult", "SpeculativeDecoder"]

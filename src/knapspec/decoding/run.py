@@ -2,13 +2,14 @@
 
 All per-call state lives in :class:`Run`, so an exception mid-generation leaves the
 decoder usable. :class:`~knapspec.decoding.decoder.SpeculativeDecoder` checks the
-arguments and builds one per call; batches run in :mod:`knapspec.decoding.batch`.
+arguments and builds one per call from the pieces it holds (engine, cache, window,
+planner, drafters, cost model); batches run in :mod:`knapspec.decoding.batch`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import attrs
@@ -16,16 +17,28 @@ import torch
 
 from knapspec.costmodels.base import LatencyObservation
 from knapspec.decoding.stats import GenerationStats, PlanRecord
-from knapspec.decoding.verify import check_finite, verify_greedy, verify_sampling
-from knapspec.drafters.base import NO_DRAFT, SUBNETWORK, Draft, Drafter, Verification
-from knapspec.planners.base import PlanningContext
+from knapspec.decoding.verify import NonFiniteLogitsError, verify_greedy, verify_sampling
+from knapspec.drafters.base import (
+    NO_DRAFT,
+    Draft,
+    Drafter,
+    DraftRequest,
+    DraftTarget,
+    Verification,
+)
+from knapspec.planners.base import Planner, PlanningContext
 from knapspec.sampling import SamplingParams, processed_probs, sample_token
 from knapspec.types import DraftPlan, StepOutcome, SublayerMask
+from knapspec.validators import check_finite
 
 if TYPE_CHECKING:
     from transformers.generation.streamers import BaseStreamer
 
-    from knapspec.decoding.decoder import SpeculativeDecoder
+    from knapspec.costmodels.base import CostModel
+    from knapspec.model.cache import KVCache
+    from knapspec.model.engine import SublayerEngine
+    from knapspec.proxies.base import ValueProxy
+    from knapspec.window import WindowBuffer
 
 
 @attrs.frozen
@@ -54,11 +67,35 @@ PREFILL_WINDOW_TOKENS = 8
 
 class Run:
     """State of one ``generate`` call. Everything is reset per call, so an exception
-    mid-generation leaves the decoder usable."""
+    mid-generation leaves the decoder usable.
+
+    Args:
+        engine: the decoder's engine.
+        cache: the decoder's single-sequence cache (reset here).
+        window: the decoder's reference-window buffer (cleared here).
+        planner: chooses each round's drafter and γ (reset here).
+        drafters: by registered name, every drafter the planner's plans may name (its
+            ``plan_drafters()``); a round runs the one its plan names.
+        cost_model, proxy: the decoder's components (None: none).
+        max_draft_length: D, the largest γ.
+        confidence_threshold: τ_conf, handed to drafters that run the model.
+        prompt: ``(n,)`` token ids on the engine's device.
+        max_new_tokens, stop_ids, params, generator, streamer, logits_processor: the
+            call's arguments, checked by the decoder.
+    """
 
     def __init__(
         self,
-        decoder: SpeculativeDecoder,
+        engine: SublayerEngine,
+        cache: KVCache,
+        window: WindowBuffer,
+        planner: Planner,
+        drafters: Mapping[str, Drafter],
+        *,
+        cost_model: CostModel | None,
+        proxy: ValueProxy | None,
+        max_draft_length: int,
+        confidence_threshold: float,
         prompt: torch.Tensor,
         max_new_tokens: int,
         stop_ids: frozenset[int],
@@ -67,9 +104,16 @@ class Run:
         streamer: BaseStreamer | None,
         logits_processor: LogitsProcessor | None = None,
     ) -> None:
-        self.decoder = decoder
+        self.engine = engine
+        self.cache = cache
+        self.window = window
+        self.planner = planner
+        self.drafters = drafters
+        self.cost_model = cost_model
+        self.proxy = proxy
+        self.max_draft_length = max_draft_length
+        self.confidence_threshold = confidence_threshold
         self.logits_processor = logits_processor
-        self.engine = decoder.engine
         self.prompt = prompt
         self.max_new_tokens = max_new_tokens
         self.stop_ids = stop_ids
@@ -78,9 +122,8 @@ class Run:
         self.streamer = streamer
         self.stats = GenerationStats(prompt_tokens=prompt.numel())
         self.output: list[int] = []
-        self.cache = decoder._cache
-        self.uses_window = decoder.planner.uses_window
-        self.proposal_names = decoder.planner.proposal_drafters()
+        self.uses_window = planner.uses_window
+        self.proposal_names = planner.proposal_drafters()
         self.synchronize = self.engine.device.type == "cuda"
 
     def _now(self) -> float:
@@ -113,17 +156,17 @@ class Run:
         return sample_token(probs, self.generator), probs
 
     def execute(self) -> GenerationResult:
-        decoder, engine, cache, stats = self.decoder, self.engine, self.cache, self.stats
+        engine, cache, stats, planner = self.engine, self.cache, self.stats, self.planner
         start_time = self._now()
         cache.reset()
-        decoder._window.clear()
-        decoder.planner.reset()
+        self.window.clear()
+        planner.reset()
         if self.streamer is not None:
             self.streamer.put(  # type: ignore[no-untyped-call]
                 self.prompt.unsqueeze(0).cpu()
             )
         n = self.prompt.numel()
-        cache.reserve(n + self.max_new_tokens + decoder.max_draft_length + 1)
+        cache.reserve(n + self.max_new_tokens + self.max_draft_length + 1)
         # The prompt and committed tokens, for planners that read the token ids.
         self.sequence = torch.empty(n + self.max_new_tokens, dtype=torch.long)
         self.sequence[:n] = self.prompt.cpu()
@@ -138,43 +181,43 @@ class Run:
             capture_points=capture,
             capture_last=seed,
         )
-        check_finite(out.logits, "prefill")
+        check_finite(out.logits, "prefill", error=NonFiniteLogitsError.during)
         if out.points is not None and seed:
             # Target tokens for the seed: the model's argmax after each seed token.
             seed_logits = engine.logits(out.hidden[-seed:])
-            decoder._window.push(out.points, self.prompt[-seed:], seed_logits.argmax(-1), n - seed)
+            self.window.push(out.points, self.prompt[-seed:], seed_logits.argmax(-1), n - seed)
         pending, _ = self._choose(self._process(out.logits[-1:], [])[0])
         stats.prefill_time_s = self._now() - start_time
         self._commit([pending])
 
         round_index = 0
         last_plan: DraftPlan | None = None
-        proposers = [d for d in decoder.drafters if d.registered_name in self.proposal_names]
+        proposers = [self.drafters[name] for name in sorted(self.proposal_names)]
         for drafter in proposers:
             drafter.reset(self.sequence[: n + 1].tolist())
         while not self._finished():
             plan_start = self._now()
             room = min(
-                decoder.max_draft_length,
+                self.max_draft_length,
                 self.max_new_tokens - len(self.output) - 1,
                 engine.max_context - n - 1,
             )
-            proposals = self._propose(proposers, max(0, room))
+            proposals = self._propose(proposers, DraftRequest(max(0, room), pending, n))
             context = PlanningContext(
                 engine=engine,
                 cache=cache,
                 context_length=n,
-                window=decoder._window if self.uses_window else None,
-                cost_model=decoder.cost_model,
-                proxy=decoder.proxy,
-                max_draft_length=decoder.max_draft_length,
+                window=self.window if self.uses_window else None,
+                cost_model=self.cost_model,
+                proxy=self.proxy,
+                max_draft_length=self.max_draft_length,
                 sampling=self.params,
                 round_index=round_index,
                 remaining_tokens=self.max_new_tokens - len(self.output),
                 tokens=self.sequence[: self.prompt.numel() + len(self.output)],
                 proposals=proposals,
             )
-            plan = decoder.planner.plan(context)
+            plan = planner.plan(context)
             stats.plan_time_s += self._now() - plan_start
             if last_plan is None or _plan_key(plan) != _plan_key(last_plan):
                 self._record_plan(plan, round_index, n)
@@ -190,7 +233,7 @@ class Run:
             cache.crop(n + accepted + 1)
             if verification.points is not None and verification.target_next is not None:
                 inputs = torch.tensor([pending, *draft.tokens[:accepted]], device=engine.device)
-                decoder._window.push(
+                self.window.push(
                     verification.points[:, : accepted + 1],
                     inputs,
                     verification.target_next[: accepted + 1],
@@ -216,7 +259,7 @@ class Run:
                 proposals=proposals,
                 committed_tokens=tuple(kept),
             )
-            decoder.planner.update(outcome)
+            planner.update(outcome)
             round_index += 1
 
         stats.wall_time_s = self._now() - start_time
@@ -232,7 +275,7 @@ class Run:
         if not self.uses_window:
             return False
         committed = self.prompt.numel() + len(self.output)
-        return self.decoder.planner.wants_window(self.sequence[:committed])
+        return self.planner.wants_window(self.sequence[:committed])
 
     def _finished(self) -> bool:
         if len(self.output) >= self.max_new_tokens:
@@ -256,15 +299,12 @@ class Run:
             self.streamer.put(torch.tensor(kept, dtype=torch.long))  # type: ignore[no-untyped-call]
         return len(kept)
 
-    def _propose(self, proposers: list[Drafter], room: int) -> tuple[Draft, ...]:
+    def _propose(self, proposers: list[Drafter], request: DraftRequest) -> tuple[Draft, ...]:
         """This round's proposals by the drafters the planner prices before planning."""
         if not proposers:
             return ()
         started = self._now()
-        proposals = tuple(
-            drafter.propose(room)  # type: ignore[attr-defined]
-            for drafter in proposers
-        )
+        proposals = tuple(drafter.propose(request) for drafter in proposers)
         self.stats.lookup_time_s += self._now() - started
         return proposals
 
@@ -272,10 +312,17 @@ class Run:
         self, plan: DraftPlan, proposals: tuple[Draft, ...], pending: int, n: int, budget: int
     ) -> Draft:
         """The plan's draft of up to ``budget`` tokens after ``pending`` (at position ``n``):
-        the chosen proposal cut to ``budget``, or the sub-network run under the plan's mask."""
+        the named drafter's proposal of this round cut to ``budget`` when it proposed
+        before planning, else what the named drafter proposes now."""
         if budget == 0:
             return _NO_DRAFT
-        if plan.drafter != SUBNETWORK:
+        drafter = self.drafters.get(plan.drafter)
+        if drafter is None:
+            raise RuntimeError(
+                f"the planner chose drafter {plan.drafter!r}, which is not among its "
+                f"plan_drafters() {sorted(self.drafters)}"
+            )
+        if drafter.proposes_before_planning:
             for proposal in proposals:
                 if proposal.drafter == plan.drafter:
                     return proposal.truncated(budget)
@@ -283,18 +330,15 @@ class Run:
                 f"the planner chose drafter {plan.drafter!r}, which proposed nothing this "
                 f"round (proposals: {[p.drafter for p in proposals]})"
             )
-        draft = self.decoder._subnetwork.propose(
+        target = DraftTarget(
             self.engine,
             self.cache,
-            plan.mask,
-            pending,
-            n,
-            budget,
             lambda logits, drafted: self._choose(self._process(logits[None], drafted)[0]),
-            confidence_threshold=self.decoder.confidence_threshold,
-            cost_model=self.decoder.cost_model,
-            clock=self._now,
+            self._now,
+            cost_model=self.cost_model,
+            confidence_threshold=self.confidence_threshold,
         )
+        draft = drafter.propose(DraftRequest(budget, pending, n, plan.mask, target))
         self.stats.draft_time_s += draft.seconds
         return draft
 
@@ -305,7 +349,7 @@ class Run:
         verify_start = self._now()
         inputs = torch.tensor([pending, *draft.tokens], device=engine.device)
         out = engine.forward(inputs, n, self.cache, capture_points=capture)
-        check_finite(out.logits, "verification")
+        check_finite(out.logits, "verification", error=NonFiniteLogitsError.during)
         target_next = out.logits.argmax(dim=-1) if capture else None
         drafts = list(draft.tokens)
         scores = self._process(out.logits, drafts)
@@ -317,10 +361,8 @@ class Run:
             verdict = verify_greedy(drafts, scores)
         elapsed = self._now() - verify_start
         self.stats.verify_time_s += elapsed
-        if self.decoder.cost_model is not None:
-            self.decoder.cost_model.observe(
-                LatencyObservation("verify", n, elapsed, len(drafts) + 1)
-            )
+        if self.cost_model is not None:
+            self.cost_model.observe(LatencyObservation("verify", n, elapsed, len(drafts) + 1))
         return Verification(verdict.accepted, verdict.tokens, elapsed, out.points, target_next)
 
     def _record_plan(self, plan: DraftPlan, round_index: int, n: int) -> None:

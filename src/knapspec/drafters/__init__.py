@@ -7,8 +7,11 @@ from knapspec.drafters.base import (
     LOOKUP,
     NO_DRAFT,
     SUBNETWORK,
+    BatchDraftRequest,
     Draft,
     Drafter,
+    DraftRequest,
+    DraftTarget,
     Verification,
 )
 from knapspec.drafters.lookup import LookupConfig, LookupDrafter, LookupIndex
@@ -19,7 +22,10 @@ __all__ = [
     "LOOKUP",
     "NO_DRAFT",
     "SUBNETWORK",
+    "BatchDraftRequest",
     "Draft",
+    "DraftRequest",
+    "DraftTarget",
     "Drafter",
     "LookupAcceptance",
     "LookupAcceptanceConfig",

@@ -141,10 +141,11 @@ class LookupAcceptance:
         self.observed_rounds_ = 0
 
     def bucket(self, match_length: int, streak: bool | None = None) -> int:
-        """Bucket of a proposal with this match length (under the current streak state)."""
-        if match_length < 1:
-            raise ValueError(f"match_length must be >= 1, got {match_length}")
-        index = bisect.bisect_right(self.config.match_edges, match_length) - 1
+        """Bucket of a proposal with this match length (under the current streak state).
+
+        A drafter that measures no match (``Draft.match_length`` 0: not a lookup) falls
+        in the first bucket, so any proposing drafter is priced by the same estimates."""
+        index = max(0, bisect.bisect_right(self.config.match_edges, match_length) - 1)
         on_streak = self.streak_ if streak is None else streak
         return 2 * index + int(on_streak)
 
@@ -182,7 +183,7 @@ class LookupAcceptance:
         """Learn from a round: the proposal made before it (full length, not the part
         drafted) against the tokens it committed; updates the copy-streak state."""
         matched, rejected = hindsight_matches(proposal, committed)
-        if proposal and match_length >= 1:
+        if proposal:
             self.observe(self.bucket(match_length), matched, rejected)
         self.streak_ = bool(proposal) and bool(committed) and not rejected
 

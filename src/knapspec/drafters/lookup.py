@@ -25,7 +25,7 @@ from collections import defaultdict
 
 import attrs
 
-from knapspec.drafters.base import DRAFTERS, LOOKUP, Draft, Drafter
+from knapspec.drafters.base import DRAFTERS, LOOKUP, Draft, Drafter, DraftRequest
 from knapspec.validators import at_least
 
 
@@ -195,11 +195,12 @@ class LookupDrafter(Drafter):
     def extend(self, tokens: list[int]) -> None:
         self.index.extend(tokens)
 
-    def propose(self, max_tokens: int) -> Draft:
-        """Up to ``min(max_tokens, config.max_tokens)`` tokens; timed."""
+    def propose(self, request: DraftRequest) -> Draft:
+        """Up to ``min(request.budget, config.max_tokens)`` tokens; timed. Reads only the
+        committed tokens it was given (``reset``/``extend``), never the model."""
         started = time.perf_counter()
         tokens, support, match = self.index.propose(
-            min(max_tokens, self.config.max_tokens),
+            min(request.budget, self.config.max_tokens),
             max_candidates=self.config.max_candidates,
             max_match=self.config.max_match,
         )

@@ -21,15 +21,21 @@ about one may fail a call or change its result:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
+
+#: The library's logger: measurements announce themselves on it at INFO (the command line
+#: prints them; a library user sees them with ``logging.basicConfig(level=logging.INFO)``).
+_LOG = logging.getLogger("knapspec")
 
 #: What a parser may raise on a file that is not what it should be.
 PARSE_ERRORS: tuple[type[Exception], ...] = (
@@ -180,12 +186,15 @@ def load_or_measure(
     measure: Callable[[], T],
     render: Callable[[T], str],
     what: str,
+    measures: str = "",
 ) -> T:
     """The cached value at ``path``, or a fresh measurement that is then cached.
 
     ``valid(value)`` is None for a usable value, else why it is not (a one-line warning,
     then measuring). The file is re-read under :func:`exclusive`, so that of two processes
-    starting on an empty cache one measures and the other reads its file.
+    starting on an empty cache one measures and the other reads its file. A measurement
+    is never silent: it is logged at INFO on the ``knapspec`` logger before (what it
+    measures, ``measures``, how long it takes, where it caches) and after (how long it took).
     """
     cached = read(path, parse, what)
     if cached is not None:
@@ -198,7 +207,15 @@ def load_or_measure(
         cached = read(path, parse, what, quiet=True)
         if cached is not None and valid(cached) is None:
             return cached
+        _LOG.info(
+            "measuring %s, once for this machine; caching the %s at %s",
+            measures or f"the {what}",
+            what,
+            path,
+        )
+        started = time.perf_counter()
         value = measure()
+        _LOG.info("measured the %s in %.1f s", what, time.perf_counter() - started)
         store(path, render(value), what)
     return value
 

@@ -11,7 +11,7 @@ import torch
 from knapspec.components import Component
 from knapspec.registry import Registry
 from knapspec.sampling import SamplingParams
-from knapspec.types import DraftPlan, StepOutcome
+from knapspec.types import SUBNETWORK, DraftPlan, StepOutcome
 from knapspec.window import ReferenceWindow, WindowBuffer
 
 if TYPE_CHECKING:
@@ -115,6 +115,12 @@ class Planner(Component, abc.ABC):
         """Drafters whose proposals this planner reads before every plan (the decoder runs
         them and passes the drafts in :attr:`PlanningContext.proposals`). Default: none."""
         return frozenset()
+
+    def plan_drafters(self) -> frozenset[str]:
+        """Every drafter this planner's plans may name (:attr:`DraftPlan.drafter`); the
+        decoder builds each once and runs the one a plan names. Default: the proposal
+        drafters and ``"subnetwork"``, the drafter of a plan's sublayer mask."""
+        return self.proposal_drafters() | {SUBNETWORK}
 
     def update(self, outcome: StepOutcome) -> None:
         """Feedback after a round (accepted count, timings). Default: ignore."""

@@ -38,7 +38,7 @@ import attrs
 import numpy as np
 import torch
 
-from knapspec.drafters.base import LOOKUP, SUBNETWORK
+from knapspec.drafters.base import SUBNETWORK
 from knapspec.planners.base import PLANNERS, Planner, PlanningContext
 from knapspec.planners.copying import CopyTracker
 from knapspec.planners.dp import (
@@ -197,7 +197,10 @@ class KnapsackPlanner(Planner):
         self.last_reason_: ReplanReason | None = None
         self.gated_rounds_ = 0
         self._copying = CopyTracker(self.config.copy_ngram, self.config.copy_recent_tokens)
-        self._lookup = LookupPricing(self.config.lookup_acceptance_config())
+        #: Per proposing drafter the config names, its own pricing (acceptance estimates).
+        self._pricing = {
+            name: LookupPricing(self.config.lookup_acceptance_config()) for name in self._proposers
+        }
         self.last_lookup_: LookupOption | None = None
 
     # ------------------------------------------------------------- Planner API
@@ -206,21 +209,30 @@ class KnapsackPlanner(Planner):
         self.last_reason_ = None
         self.gated_rounds_ = 0
         self._copying.reset()
-        self._lookup.reset()
+        for pricing in self._pricing.values():
+            pricing.reset()
         self.last_lookup_ = None
 
     @property
-    def _prices_lookup(self) -> bool:
-        return LOOKUP in self.config.drafters and self.config.objective == "tpt"
+    def _proposers(self) -> tuple[str, ...]:
+        """The drafters priced by their proposals: every one the config names but the
+        sub-network (the DP's own), under the TPT objective."""
+        if self.config.objective != "tpt":
+            return ()
+        return tuple(name for name in self.config.drafters if name != SUBNETWORK)
 
     def proposal_drafters(self) -> frozenset[str]:
-        return frozenset({LOOKUP}) if self._prices_lookup else frozenset()
+        return frozenset(self._proposers)
+
+    def plan_drafters(self) -> frozenset[str]:
+        subnetwork = {SUBNETWORK} if SUBNETWORK in self.config.drafters else set()
+        return self.proposal_drafters() | subnetwork
 
     def update(self, outcome: StepOutcome) -> None:
-        if self._prices_lookup:
-            self._lookup.observe(outcome)
+        for name, pricing in self._pricing.items():
+            pricing.observe(outcome, name)
         # The re-planning policy follows the sub-network plan (and plain steps) only.
-        if outcome.plan.drafter_used != LOOKUP:
+        if outcome.plan.drafter_used not in self._pricing:
             self.policy.observe(outcome)
 
     def wants_window(self, tokens: torch.Tensor) -> bool:
@@ -248,18 +260,23 @@ class KnapsackPlanner(Planner):
             subnetwork = self._plan_subnetwork(context)
         else:
             subnetwork = DraftPlan.autoregressive(context.engine.num_layers, source="knapsack")
-        if not self._prices_lookup or context.cost_model is None:
+        if not self._pricing or context.cost_model is None:
             return subnetwork
-        return self._with_lookup(context, context.cost_model, subnetwork)
+        return self._with_proposals(context, context.cost_model, subnetwork)
 
-    def _with_lookup(
+    def _with_proposals(
         self, context: PlanningContext, cost_model: CostModel, subnetwork: DraftPlan
     ) -> DraftPlan:
-        """One TPT comparison of the lookup proposal's best cut with ``subnetwork``."""
+        """One TPT comparison of the best cut of this round's proposals (lookup's, any
+        proposing drafter's) with ``subnetwork``."""
         max_draft = context.max_draft_length
         if self.config.max_draft_length is not None:
             max_draft = min(max_draft, self.config.max_draft_length)
-        option = self._lookup.price(context, cost_model, max_draft)
+        option, drafter = None, ""
+        for name, pricing in self._pricing.items():
+            priced = pricing.price(context, cost_model, max_draft, name)
+            if priced is not None and (option is None or priced.beats(option)):
+                option, drafter = priced, name
         self.last_lookup_ = option
         if option is None:
             return subnetwork
@@ -281,6 +298,7 @@ class KnapsackPlanner(Planner):
                 context.engine.num_layers,
                 option.draft_length,
                 "knapsack",
+                drafter=drafter,
                 predicted_acceptance=option.mean_acceptance,
                 predicted_tokens_per_second=option.tokens_per_second,
             )

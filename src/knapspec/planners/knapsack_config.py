@@ -42,17 +42,16 @@ def _acceptance_field(name: str) -> Any:
     return attrs.field(default=field.default, converter=field.converter, validator=field.validator)
 
 
-#: The drafter families the knapsack planner can search over.
+#: The drafter families the knapsack planner searches by default: its own sub-network
+#: and prompt lookup (any other registered drafter that proposes before planning may be
+#: named too; the decoder checks it when it builds it).
 DRAFTER_FAMILIES = (SUBNETWORK, LOOKUP)
 
 
 def _drafter_names(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    unknown = [name for name in value if name not in DRAFTER_FAMILIES]
-    if unknown:
-        raise ValueError(
-            f"{attribute.name} may name {', '.join(repr(d) for d in DRAFTER_FAMILIES)}; "
-            f"got {unknown}"
-        )
+    bad = [name for name in value if not isinstance(name, str) or not name]
+    if bad:
+        raise ValueError(f"{attribute.name} must name drafters (non-empty strings); got {bad}")
     if len(set(value)) != len(value):
         raise ValueError(f"{attribute.name} names a drafter twice: {list(value)}")
 
@@ -65,8 +64,9 @@ class KnapsackPlannerConfig:
         drafters: the drafter families searched each round besides γ = 0: ``"subnetwork"``
             (the knapsack DP's layer-skip draft, searched when the copy gate and planning
             budget allow) and ``"lookup"`` (the round's prompt-lookup proposal, priced every
-            round and cut at its TPT-optimal length). Drop one for the ablation; an empty
-            tuple is plain decoding.
+            round and cut at its TPT-optimal length), or any other registered drafter that
+            proposes before planning (priced as lookup is, with its own acceptance
+            estimates). Drop one for the ablation; an empty tuple is plain decoding.
         lookup_min_speedup: a lookup draft is taken only when its predicted TPT is at least
             this times a plain step's (and at least the sub-network plan's).
         lookup_match_edges: lower edges of the match-length buckets of the online lookup

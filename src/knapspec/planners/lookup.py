@@ -52,6 +52,14 @@ class LookupOption:
     acceptance: FloatArray
     bucket: int
 
+    def beats(self, other: LookupOption) -> bool:
+        """Whether this cut is predicted faster than ``other``'s (a drafted cut beats an
+        undrafted one at equal speed)."""
+        return (self.tokens_per_second, self.draft_length > 0) > (
+            other.tokens_per_second,
+            other.draft_length > 0,
+        )
+
     @property
     def mean_acceptance(self) -> float:
         """Mean conditional acceptance over the drafted positions (for the plan record)."""
@@ -74,10 +82,10 @@ class LookupPricing:
         self.acceptance.reset()
 
     def price(
-        self, context: PlanningContext, cost_model: CostModel, max_draft: int
+        self, context: PlanningContext, cost_model: CostModel, max_draft: int, drafter: str = LOOKUP
     ) -> LookupOption | None:
-        """Price this round's lookup proposal (None when there is none)."""
-        proposal = context.proposal(LOOKUP)
+        """Price this round's proposal by ``drafter`` (None when there is none)."""
+        proposal = context.proposal(drafter)
         if proposal is None or not proposal.tokens or max_draft < 1:
             return None
         length = min(len(proposal.tokens), max_draft)
@@ -99,10 +107,10 @@ class LookupPricing:
             bucket=bucket,
         )
 
-    def observe(self, outcome: StepOutcome) -> None:
-        """Learn from the round in hindsight (its lookup proposal vs committed tokens)."""
+    def observe(self, outcome: StepOutcome, drafter: str = LOOKUP) -> None:
+        """Learn from the round in hindsight (``drafter``'s proposal vs committed tokens)."""
         for draft in outcome.proposals:
-            if draft.drafter == LOOKUP:
+            if draft.drafter == drafter:
                 self.acceptance.observe_round(
                     draft.tokens, draft.match_length, outcome.committed_tokens
                 )
@@ -139,6 +147,9 @@ class LookupPlanner(Planner):
     def proposal_drafters(self) -> frozenset[str]:
         return frozenset({self.config.drafter})
 
+    def plan_drafters(self) -> frozenset[str]:
+        return self.proposal_drafters()  # it never plans a sublayer mask
+
     def plan(self, context: PlanningContext) -> DraftPlan:
         layers = context.engine.num_layers
         proposal = context.proposal(self.config.drafter)
@@ -161,13 +172,15 @@ def lookup_plan(
     source: str,
     predicted_acceptance: float | None = None,
     predicted_tokens_per_second: float | None = None,
+    drafter: str = LOOKUP,
 ) -> DraftPlan:
-    """A lookup plan of ``draft_length`` tokens with the planner's predictions."""
+    """A plan drafting ``draft_length`` tokens of ``drafter``'s proposal (lookup by
+    default) with the planner's predictions."""
     base = DraftPlan.autoregressive(num_layers, source=source)
     return attrs.evolve(
         base,
         draft_length=draft_length,
-        drafter=LOOKUP,
+        drafter=drafter,
         predicted_acceptance=predicted_acceptance,
         predicted_tokens_per_second=predicted_tokens_per_second,
     )

@@ -51,7 +51,7 @@ def check_states(name: str, states: torch.Tensor, d_model: int) -> None:
         )
     if states.numel() == 0:
         raise ValueError(f"{name} is empty (no tokens in the window)")
-    check_finite(name, states)
+    check_finite(states, name)
 
 
 def max_row_distance(weight: torch.Tensor, i_star: torch.Tensor) -> torch.Tensor:
@@ -89,7 +89,7 @@ class HeadGeometry:
         cache_size: int = 4096,
     ) -> None:
         check_head(weight)
-        check_finite("LM head weight", weight)
+        check_finite(weight, "LM head weight")
         weight = weight.detach()
         if not weight.is_floating_point():
             raise TypeError(f"LM head weight must be floating point, got {weight.dtype}")
@@ -100,7 +100,7 @@ class HeadGeometry:
                     f"{tuple(channel_scale.shape)}"
                 )
             channel_scale = channel_scale.detach().to(weight.dtype)
-            check_finite("channel_scale", channel_scale)
+            check_finite(channel_scale, "channel_scale")
         self.weight = weight
         self.channel_scale = channel_scale
         self.cache_size = cache_size

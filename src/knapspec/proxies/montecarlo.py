@@ -38,8 +38,8 @@ def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"p and q must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}"
         )
-    check_finite("p", p)
-    check_finite("q", q)
+    check_finite(p, "p")
+    check_finite(q, "q")
     return torch.minimum(p, q).sum(dim=-1).clamp(0.0, 1.0)
 
 
@@ -65,6 +65,10 @@ class MonteCarloProxyConfig:
     confidence: float = attrs.field(default=0.95, validator=open_unit_interval)
 
 
+#: The defaults, written once (in the record) for the keyword arguments too.
+_DEFAULTS = MonteCarloProxyConfig()
+
+
 @PROXIES.register("montecarlo")
 class MonteCarloAcceptanceProxy(ValueProxy):
     """α measured on the window: greedy agreement, or the exact sampling acceptance.
@@ -84,8 +88,8 @@ class MonteCarloAcceptanceProxy(ValueProxy):
     def __init__(
         self,
         *,
-        score: ScoreMode = "cosine",
-        confidence: float = 0.95,
+        score: ScoreMode = _DEFAULTS.score,
+        confidence: float = _DEFAULTS.confidence,
         engine: SublayerEngine | None = None,
     ) -> None:
         self.config = MonteCarloProxyConfig(score=score, confidence=confidence)

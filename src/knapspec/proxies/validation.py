@@ -28,8 +28,8 @@ def check_score_inputs(reference: torch.Tensor, candidate: torch.Tensor) -> None
             f"candidate (branches, r, d) = {tuple(candidate.shape)} does not match reference "
             f"(r, d) = {tuple(reference.shape)}"
         )
-    check_finite("reference", reference)
-    check_finite("candidate", candidate)
+    check_finite(reference, "reference")
+    check_finite(candidate, "candidate")
 
 
 def check_window_inputs(

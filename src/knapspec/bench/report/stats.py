@@ -20,7 +20,6 @@ from typing import Any
 
 import attrs
 
-from knapspec.bench.drafter_report import ORACLE_SHARE_THRESHOLD
 from knapspec.bench.methods import GENERATE, REFERENCE
 from knapspec.bench.records import (
     FAILED_RAW,
@@ -32,6 +31,9 @@ from knapspec.bench.records import (
     VCURVE,
     read_jsonl,
 )
+
+#: Oracle speedups at or below this are "nothing to win": no share of it is reported.
+ORACLE_SHARE_THRESHOLD = 1.1
 
 
 class ReportError(ValueError):
@@ -228,6 +230,7 @@ def comparable_calls(data: RunData) -> list[dict[str, Any]]:
 
 
 __all__ = [
+    "ORACLE_SHARE_THRESHOLD",
     "MethodRow",
     "ReportError",
     "RunData",

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import attrs
 
+from knapspec.bench.markdown import markdown_table
 from knapspec.bench.methods import GENERATE, REFERENCE
 from knapspec.bench.report.stats import (
     MethodRow,
@@ -16,12 +17,6 @@ from knapspec.bench.report.stats import (
     run_name,
     summarise,
 )
-
-
-def _markdown(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def _context_label(row: MethodRow) -> str:
@@ -65,7 +60,7 @@ def method_table(rows: Sequence[MethodRow]) -> str:
             f"{row.fraction_of_oracle:.0%}" if row.fraction_of_oracle is not None else "–",
         ]
 
-    return _markdown(header, (cells(row) for row in rows))
+    return markdown_table(header, (cells(row) for row in rows))
 
 
 def oracle_table(data: RunData) -> str:
@@ -88,7 +83,7 @@ def oracle_table(data: RunData) -> str:
                     f"{best['alpha']:.2f}",
                 ]
             )
-    return _markdown(header, rows)
+    return markdown_table(header, rows)
 
 
 def vcurve_table(data: RunData) -> str:
@@ -108,7 +103,7 @@ def vcurve_table(data: RunData) -> str:
                 *[f"{ratio[k]:.2f}" for k in shown],
             ]
         )
-    return _markdown(header, rows)
+    return markdown_table(header, rows)
 
 
 def setup_table(data: RunData) -> str:
@@ -126,7 +121,7 @@ def setup_table(data: RunData) -> str:
         ]
         for line in data.setup
     ]
-    return _markdown(["method", "set-up", "scenario", "seconds", "note"], rows)
+    return markdown_table(["method", "set-up", "scenario", "seconds", "note"], rows)
 
 
 def _label(scenario_context: tuple[str, int]) -> tuple[str, str]:
@@ -166,7 +161,7 @@ def across_runs_table(runs: Sequence[RunData]) -> str:
         rows.append(
             [*_label((scenario, context)), method, *cells, f"{total.text()} ({len(pooled)})"]
         )
-    return _markdown(header, rows) if rows else ""
+    return markdown_table(header, rows) if rows else ""
 
 
 def engine_vs_generate_table(runs: Sequence[RunData]) -> str:
@@ -182,7 +177,7 @@ def engine_vs_generate_table(runs: Sequence[RunData]) -> str:
         [*_label(key), *[by_run.get(index, "–") for index in range(len(runs))]]
         for key, by_run in cells.items()
     ]
-    return _markdown(header, rows) if rows else ""
+    return markdown_table(header, rows) if rows else ""
 
 
 __all__ = [

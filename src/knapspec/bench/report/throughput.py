@@ -19,6 +19,7 @@ from typing import Any
 
 import attrs
 
+from knapspec.bench.markdown import markdown_table
 from knapspec.bench.methods import GENERATE, REFERENCE
 from knapspec.bench.report.stats import RunData, Spread
 
@@ -143,7 +144,7 @@ def throughput_table(data: RunData) -> str:
     def spread(value: Spread | None) -> str:
         return value.text() if value is not None else "–"
 
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for row in summarise_throughput(data):
         cells = [
             row.scenario,
@@ -159,8 +160,8 @@ def throughput_table(data: RunData) -> str:
             f"{row.rows_equal}/{row.rows}",
             f"{row.drafted_tokens} / {row.accepted_tokens}" if row.method != GENERATE else "–",
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return markdown_table(header, rows)
 
 
 def _share(value: Spread | None) -> str:
