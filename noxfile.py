@@ -1,4 +1,5 @@
-"""nox sessions: tests (proof-backed property tests included), lint, typecheck, bench, docs."""
+"""nox sessions: tests (proof-backed property tests included), proofs, fuzz, lint, typecheck,
+bench, docs."""
 
 from __future__ import annotations
 
@@ -49,6 +50,22 @@ def proofs(session: nox.Session) -> None:
         "tests/test_sampling.py",
         "tests/test_sampling_rounds.py",
         env={"HF_HUB_OFFLINE": "1", "HYPOTHESIS_PROFILE": "thorough"},
+    )
+
+
+@nox.session(python=PYTHON)
+def fuzz(session: nox.Session) -> None:
+    """The configuration fuzzer (tests/test_fuzz.py) with 2,000 fresh examples instead of
+    the tests session's 16 fixed ones (an hour or two on 2 cores)."""
+    _install(session, "test")
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-q",
+        "tests/test_fuzz.py",
+        *session.posargs,
+        env={"HF_HUB_OFFLINE": "1", "KNAPSPEC_FUZZ_EXAMPLES": "2000"},
     )
 
 

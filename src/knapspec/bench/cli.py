@@ -2,6 +2,7 @@
 
     knapspec bench [run] [--quick] [--scenarios ...] [--methods ...] [--ablations] ...
     knapspec bench report RUN_DIR [RUN_DIR ...] [--docs docs/benchmarks.md]
+    knapspec bench spec-bench [...]      (Spec-Bench: :mod:`knapspec.bench.specbench.cli`)
 
 ``run`` (the default) writes ``results/bench/<run-name>/`` and then its report;
 ``--config FILE`` / ``--set KEY=VALUE`` give the base decoder config every method's
@@ -313,6 +314,10 @@ def cli_main(argv: list[str] | None = None) -> int:
     try:
         if args and args[0] == "report":
             return _report(args[1:])
+        if args and args[0] == "spec-bench":
+            from knapspec.bench.specbench.cli import main  # its own options and runner
+
+            return main(args[1:])
         if args and args[0] == "run":
             args = args[1:]
         return _run(args)

@@ -197,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser(
         "bench",
-        help="run the benchmark harness (its own options: knapspec bench --help)",
+        help="run the benchmark harness or Spec-Bench (knapspec bench --help, knapspec bench "
+        "spec-bench --help)",
         description="Benchmark harness; every argument after 'bench' is passed to it.",
         add_help=False,
     )

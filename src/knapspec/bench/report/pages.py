@@ -32,6 +32,7 @@ from knapspec.bench.report.tables import (
     vcurve_table,
 )
 from knapspec.bench.report.throughput import throughput_table
+from knapspec.bench.specbench.docs import keep_section
 
 REPORT = "report.md"
 
@@ -330,7 +331,10 @@ def machines_sentence(runs: Sequence[RunData]) -> str:
 def write_docs(runs: Sequence[RunData], docs: Path, title: str = "Benchmarks") -> Path:
     """Write :func:`render_docs` of ``runs`` to ``docs``; returns ``docs``."""
     docs.parent.mkdir(parents=True, exist_ok=True)
-    docs.write_text(render_docs(runs, docs, title), encoding="utf-8")
+    text = render_docs(runs, docs, title)
+    if docs.exists():  # the Spec-Bench section (knapspec bench spec-bench report --docs) stays
+        text = keep_section(docs.read_text(encoding="utf-8"), text)
+    docs.write_text(text, encoding="utf-8")
     return docs
 
 
