@@ -39,7 +39,8 @@ def tests(session: nox.Session) -> None:
 def slow(session: nox.Session) -> None:
     """The slow tier the tests session leaves out (``@pytest.mark.slow``): every planner
     and batches on the real model, greedy real text under every kernel table, two real
-    ``knapspec generate`` runs on one empty cache."""
+    ``knapspec generate`` runs on one empty cache, the real model provisioned by two
+    processes at once (needs PyPI), Spec-Bench on the real model."""
     _install(session, "test")
     session.run(
         "python",
