@@ -448,7 +448,7 @@ def test_attribute_docs_parses_google_style_sections() -> None:
     assert docs["max_draft_length"] == "D, the largest γ any plan may use (>= 1)."
     # Continuation lines are joined; "a, b: text" documents both fields.
     assert docs["window_max_tokens"].endswith("bounds the planner's work per plan.")
-    assert attribute_docs(SamplingParams)["seed"].startswith("seed of the decoder's")
+    assert attribute_docs(SamplingParams)["seed"].startswith("the sampling seed")
 
 
 def test_every_field_is_documented_in_docstrings() -> None:

@@ -142,7 +142,7 @@ def _cache_path(engine: TunableEngine, table: KernelTable) -> Path:
     """Probe results depend on the machine, BLAS, threads, dtype and shapes (the kernel
     table's key) and on the table probed; not on the weights' values."""
     key = KernelKey.for_engine(engine)
-    return cache_root() / "kernels" / f"invariant-{key.digest()}-{table.fingerprint()}.json"
+    return cache_root() / "invariance" / f"{key.digest()}-{table.fingerprint()}.json"
 
 
 def _parse_cached(text: str) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:

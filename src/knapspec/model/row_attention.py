@@ -79,7 +79,7 @@ def library_path() -> Path:
     digest.update(compiler.encode())
     digest.update(" ".join(_FLAGS).encode())
     digest.update(_cpu_flags().encode())
-    return cache_root() / "kernels" / f"row_attention-{digest.hexdigest()[:16]}.so"
+    return cache_root() / "compiled" / f"row_attention-{digest.hexdigest()[:16]}.so"
 
 
 def _build(target: Path) -> None:
