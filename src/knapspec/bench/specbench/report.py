@@ -277,8 +277,12 @@ def _environment_lines(info: dict[str, Any]) -> list[str]:
         f"batch 1, at most {settings.get('max_new_tokens', '?')} new tokens per turn",
         f"- torch {env.get('torch', '?')}, transformers {env.get('transformers', '?')}, "
         f"knapspec commit `{env.get('commit', '?')}`, status: {info.get('status', '?')}",
-        f"- questions: `{info.get('question_file', '?')}`",
-        *(f"- command: `{command}`" for command in info.get("commands", [info.get("command")])),
+        f"- questions: `{info.get('question_file') or 'not recorded'}`",
+        *(
+            f"- command: `{command}`"
+            for command in info.get("commands", [info.get("command")])
+            if command  # a run started through the Python API records none
+        ),
     ]
 
 
