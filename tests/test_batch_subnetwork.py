@@ -10,14 +10,17 @@ from collections import Counter
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from tests.test_batch import REPEATING, _assert_rows_equal_alone, checked_rounds
-from tests.test_sampling import _chi_square_pvalue, _exact_joint, _small_vocab_model
+from tests.test_sampling import (
+    _chi_square_pvalue,
+    _exact_joint,
+    _small_vocab_model,
+    accept_every_keyed_draft,
+)
 from tests.tiny_models import tiny_model
 
-import knapspec.decoding.batch as batch_module
 from knapspec.decoding.batch import BatchRun
 from knapspec.decoding.batch_policy import (
     BatchSubnetwork,
@@ -29,7 +32,7 @@ from knapspec.decoding.batch_policy import (
     packed_verify_cost,
 )
 from knapspec.decoding.decoder import SpeculativeDecoder
-from knapspec.decoding.verify import Verdict
+from knapspec.decoding.sampler import TokenSampler
 from knapspec.drafters.base import LOOKUP, SUBNETWORK, Draft
 from knapspec.planners import StaticPlanner
 from knapspec.planners.objective import chained_expected_tokens
@@ -137,21 +140,21 @@ RUNS = 2000
 
 
 def _subnetwork_samples(
-    runs: int, skipped: tuple[int, ...]
+    runs: int, skipped: tuple[int, ...], scheme: str = "position-keyed"
 ) -> tuple[list[Counter[tuple[int, ...]]], list[int]]:
     mask = SublayerMask.from_skipped(3, skipped)
     decoder = SpeculativeDecoder(_small_vocab_model(), planner=StaticPlanner(mask, 3))
-    params = SamplingParams(do_sample=True, temperature=1.0)
+    params = SamplingParams(do_sample=True, temperature=1.0, verification=scheme)
     counts: list[Counter[tuple[int, ...]]] = [Counter() for _ in PROMPTS]
     per_round: list[int] = []
-    original = batch_module.verify_sampling
+    original = TokenSampler.verify  # as patched by the caller, if it patched it
 
-    def counting(drafts, draft_probs, target_probs, generator):  # type: ignore[no-untyped-def]
-        per_round.append(len(drafts))
-        return original(drafts, draft_probs, target_probs, generator)
+    def counting(self, draft, logits, position):  # type: ignore[no-untyped-def]
+        per_round.append(len(draft))
+        return original(self, draft, logits, position)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(batch_module, "verify_sampling", counting)
+        patch.setattr(TokenSampler, "verify", counting)
         for run in range(runs):
             result = decoder.generate_batch(
                 PROMPTS,
@@ -165,8 +168,9 @@ def _subnetwork_samples(
     return counts, per_round
 
 
-def test_sampled_rows_with_subnetwork_drafts_are_distributed_as_the_target() -> None:
-    counts, per_round = _subnetwork_samples(RUNS, (1, 2))
+@pytest.mark.parametrize("scheme", ["position-keyed", "rejection"])
+def test_sampled_rows_with_subnetwork_drafts_are_distributed_as_the_target(scheme: str) -> None:
+    counts, per_round = _subnetwork_samples(RUNS, (1, 2), scheme)
     # Every first round drafts 3 tokens per row (5 new tokens leave room for 3).
     assert sum(1 for k in per_round if k >= 3) >= 2 * RUNS
     params = SamplingParams(do_sample=True, temperature=1.0)
@@ -179,14 +183,10 @@ def test_sampled_rows_with_subnetwork_drafts_are_distributed_as_the_target() -> 
 def test_the_subnetwork_chi_square_check_has_power_against_a_lossy_verifier(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Accepting every sub-network draft token (sampled from the draft's q) is caught;
-    the draft skips every item but the last MLP, so its q is far from the target's."""
-
-    def accept_everything(drafts, draft_probs, target_probs, generator):  # type: ignore[no-untyped-def]
-        bonus = int(torch.multinomial(target_probs[len(drafts)], 1, generator=generator))
-        return Verdict(len(drafts), [*drafts, bonus])
-
-    monkeypatch.setattr(batch_module, "verify_sampling", accept_everything)
+    """Accepting every sub-network draft token (drawn from the draft's q with the keyed
+    noise) is caught; the draft skips every item but the last MLP, so its q is far from
+    the target's."""
+    monkeypatch.setattr(TokenSampler, "verify", accept_every_keyed_draft)
     counts, _ = _subnetwork_samples(RUNS, (0, 1, 2, 3, 4))
     params = SamplingParams(do_sample=True, temperature=1.0)
     joint = _exact_joint(_small_vocab_model(), PROMPTS[0], params, LENGTH)

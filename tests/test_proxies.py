@@ -19,6 +19,7 @@ from knapspec.proxies import (
     MonteCarloAcceptanceProxy,
     MonteCarloProxyConfig,
     acceptance_probability,
+    coupling_acceptance,
     mean_interval,
     wilson_interval,
 )
@@ -29,7 +30,8 @@ from knapspec.types import SublayerMask
 from knapspec.window import ReferenceWindow
 
 GREEDY = SamplingParams()
-SAMPLING = SamplingParams(do_sample=True, temperature=0.7, top_p=0.9)
+SAMPLING = SamplingParams(do_sample=True, temperature=0.7, top_p=0.9, verification="rejection")
+KEYED = attrs.evolve(SAMPLING, verification="position-keyed")
 
 
 # ------------------------------------------------------- rejection-sampling acceptance
@@ -72,6 +74,29 @@ def test_sum_min_equals_the_exact_rejection_sampling_acceptance(
     # ... and it is 1 exactly when the draft's distribution is the target's.
     identical = bool(torch.allclose(p, q, atol=1e-12, rtol=0))
     assert (abs(got - 1.0) < 1e-12) == identical
+
+
+def _exact_coupling_acceptance(p: torch.Tensor, q: torch.Tensor) -> float:
+    """P(argmax(log p + G) = argmax(log q + G)), the race-of-exponentials sum over i."""
+    total = 0.0
+    for i in range(p.shape[0]):
+        if p[i] > 0 and q[i] > 0:
+            total += float(1.0 / torch.maximum(p / p[i], q / q[i]).sum())
+    return total
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(pair=distribution_pairs(), candidates=st.integers(1, 10))
+def test_the_coupling_acceptance_is_a_lower_bound_exact_with_every_candidate(
+    pair: tuple[torch.Tensor, torch.Tensor], candidates: int
+) -> None:
+    p, q = pair
+    exact = _exact_coupling_acceptance(p, q)
+    a = float(acceptance_probability(p, q))
+    got = float(coupling_acceptance(p, q, candidates))
+    assert a / (2 - a) - 1e-9 <= got <= exact + 1e-9 <= a + 2e-9
+    if candidates >= p.shape[0]:
+        assert got == pytest.approx(exact, abs=1e-9)
 
 
 def test_acceptance_probability_is_batched_and_checks_shapes() -> None:
@@ -197,8 +222,9 @@ def test_montecarlo_matches_a_per_token_brute_force(
     proxy = MonteCarloAcceptanceProxy(confidence=0.9)
     greedy = proxy.estimate_acceptance(engine, ref, candidates, GREEDY)
     sampled = proxy.estimate_acceptance(engine, ref, candidates, SAMPLING)
+    keyed = proxy.estimate_acceptance(engine, ref, candidates, KEYED)
     for branch, candidate in enumerate(candidates):
-        agree, expected_sampled = 0, 0.0
+        agree, expected_sampled, coupling_floor, coupling_exact = 0, 0.0, 0.0, 0.0
         for t in range(ref.size):
             target_logits = engine.logits(ref.final_hidden[t]).detach()
             draft_logits = engine.logits(candidate[t]).detach()
@@ -206,10 +232,16 @@ def test_montecarlo_matches_a_per_token_brute_force(
             p = processed_probs(target_logits, SAMPLING).double()
             q = processed_probs(draft_logits, SAMPLING).double()
             expected_sampled += _exact_rejection_acceptance(p, q) / ref.size
+            a = _exact_rejection_acceptance(p, q)
+            coupling_floor += a / (2 - a) / ref.size
+            coupling_exact += _exact_coupling_acceptance(p, q) / ref.size
         assert greedy[branch].alpha == agree / ref.size
         assert greedy[branch].low <= greedy[branch].alpha <= greedy[branch].high
         assert sampled[branch].alpha == pytest.approx(expected_sampled, abs=1e-5)
         assert sampled[branch].low <= sampled[branch].alpha <= sampled[branch].high
+        # Position-keyed: the coupling's acceptance, priced from below but above its floor.
+        assert coupling_floor - 1e-5 <= keyed[branch].alpha <= coupling_exact + 1e-5
+        assert keyed[branch].alpha <= sampled[branch].alpha + 1e-6
 
 
 @pytest.mark.parametrize("space", ["folded", "normed"])

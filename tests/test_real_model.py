@@ -19,7 +19,10 @@ from knapspec.bench.prompts import corpus, long_input_prompt
 from knapspec.model.provision import load_model_and_tokenizer
 from knapspec.testing import CheapDraftCostModel
 
-pytestmark = [pytest.mark.real_model, pytest.mark.slow]
+# Two of these tests, greedy lossless on the real model with layer-skip and with lookup
+# drafts, run in the default tests session; every planner on the real model is the slow
+# tier (`nox -s slow`): each planner is lossless on tiny models in the default session.
+pytestmark = [pytest.mark.real_model]
 
 NEW_TOKENS = 24
 
@@ -61,6 +64,7 @@ def test_five_real_prompts_with_a_deep_skip_are_lossless(smollm2) -> None:  # ty
         assert result.stats.drafted_tokens > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("planner_name", sorted(PLANNERS.names()))
 def test_every_registered_planner_is_lossless_on_real_text(smollm2, planner_name: str) -> None:  # type: ignore[no-untyped-def]
     from test_lossless_drafting import FORCING, NEVER_DRAFTS
@@ -77,6 +81,11 @@ def test_every_registered_planner_is_lossless_on_real_text(smollm2, planner_name
     assert torch.equal(result.tokens, _reference(model, prompt))
     drafted = result.stats.drafted_tokens
     assert drafted == 0 if planner_name in NEVER_DRAFTS else drafted > 0
+    if planner_name == "del":
+        # DEL's α is forced by a prior (the measured one is borderline on this text, see
+        # test_baselines' flake test), but its measurement still ran at every exit.
+        planner = decoder.planner
+        assert set(planner.alphas_) == set(planner.exit_layers)  # type: ignore[attr-defined]
     # the decoder must still be usable, and deterministic, on the next call
     again = decoder.generate(prompt, max_new_tokens=NEW_TOKENS, eos_token_id=eos)
     assert torch.equal(again.tokens, result.tokens)

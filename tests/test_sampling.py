@@ -1,8 +1,9 @@
 """Lossless speculative sampling: the rejection rule and the decoder's output distribution.
 
-The statistical tests use a fixed seed, so they are deterministic; each is paired with a
-power check showing the same test rejects a sampler that is *not* lossless (outputs taken
-straight from the draft), so a pass is evidence, not luck.
+Both verification schemes are checked: position-keyed (the default) and rejection
+sampling. The statistical tests use a fixed seed, so they are deterministic; each is paired
+with a power check showing the same test rejects a sampler that is *not* lossless (outputs
+taken straight from the draft), so a pass is evidence, not luck.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import knapspec.decoding.run as run_module
+import knapspec.decoding.sampler as sampler_module
 from knapspec.decoding.decoder import SpeculativeDecoder
+from knapspec.decoding.sampler import TokenSampler
 from knapspec.decoding.verify import Verdict, residual_distribution, verify_sampling
+from knapspec.drafters.base import Draft
 from knapspec.planners import LookupPlanner, StaticPlanner
 from knapspec.planners.lookup import LookupPlannerConfig
-from knapspec.sampling import SamplingParams, processed_probs, sample_token
+from knapspec.sampling import REJECTION, SamplingParams, processed_probs, sample_token
 from knapspec.types import SublayerMask
 
 VOCAB = 6
@@ -131,13 +134,7 @@ def _sample(
         result = decoder.generate(
             torch.tensor(prompt),
             max_new_tokens=length,
-            sampling=SamplingParams(
-                do_sample=True,
-                temperature=params.temperature,
-                top_k=params.top_k,
-                top_p=params.top_p,
-                seed=seed,
-            ),
+            sampling=attrs.evolve(params, seed=seed),
         )
         counts[tuple(result.tokens.tolist())] += 1
         for position, drafted in enumerate(result.stats.drafted_at_position):
@@ -160,8 +157,10 @@ BAD_DRAFT = SublayerMask.from_skipped(3, [0, 1, 2, 3, 5])  # keeps one item: a p
         SamplingParams(do_sample=True, temperature=1.0),
         SamplingParams(do_sample=True, temperature=0.7, top_p=0.9),
         SamplingParams(do_sample=True, temperature=1.5, top_k=3),
+        SamplingParams(do_sample=True, temperature=1.0, verification=REJECTION),
+        SamplingParams(do_sample=True, temperature=0.7, top_p=0.9, verification=REJECTION),
     ],
-    ids=["T=1", "T=0.7,top_p=0.9", "T=1.5,top_k=3"],
+    ids=["T=1", "T=0.7,top_p=0.9", "T=1.5,top_k=3", "T=1,rejection", "T=0.7,top_p=0.9,rejection"],
 )
 def test_speculative_samples_are_distributed_as_the_target(params: SamplingParams) -> None:
     model = _small_vocab_model()
@@ -182,7 +181,31 @@ def test_the_chi_square_check_has_power_against_a_lossy_sampler(
         bonus = int(torch.multinomial(target_probs[len(drafts)], 1, generator=generator))
         return Verdict(len(drafts), [*drafts, bonus])
 
-    monkeypatch.setattr(run_module, "verify_sampling", accept_everything)
+    monkeypatch.setattr(sampler_module, "verify_sampling", accept_everything)
+    params = SamplingParams(do_sample=True, temperature=1.0, verification=REJECTION)
+    model = _small_vocab_model()
+    decoder = SpeculativeDecoder(
+        model, planner=StaticPlanner(BAD_DRAFT, LENGTH), confidence_threshold=0
+    )
+    joint = _exact_joint(model, PROMPT, params, LENGTH)
+    samples = _sample(decoder, PROMPT, params, RUNS, LENGTH)
+    assert _chi_square_pvalue(samples, joint) < 1e-6
+
+
+def accept_every_keyed_draft(
+    self: TokenSampler, draft: Draft, logits: torch.Tensor, position: int
+) -> Verdict:
+    """The lossy position-keyed verifier: every draft token is kept (output ~ the draft,
+    which drew it with the right noise), then the target's keyed token after them."""
+    k = len(draft)
+    bonus = self.choose(logits[k], position + k)[0]
+    return Verdict(k, [*draft.tokens, bonus])
+
+
+def test_the_chi_square_check_has_power_against_a_lossy_keyed_verifier(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(TokenSampler, "verify", accept_every_keyed_draft)
     params = SamplingParams(do_sample=True, temperature=1.0)
     model = _small_vocab_model()
     decoder = SpeculativeDecoder(
@@ -202,6 +225,10 @@ def test_sampling_parameters_are_validated() -> None:
         SamplingParams(do_sample=True, top_p=0.0)
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(do_sample=True, top_k=-1)
+    with pytest.raises(ValueError, match="verification must be one of"):
+        SamplingParams(do_sample=True, verification="gumbel")
+    with pytest.raises(TypeError, match="verification"):
+        SamplingParams(do_sample=True, verification=1)
 
 
 @pytest.mark.parametrize(
@@ -409,11 +436,12 @@ LOOKUP_RUNS = 3000
     [
         SamplingParams(do_sample=True, temperature=1.0),
         SamplingParams(do_sample=True, temperature=0.7, top_p=0.9),
+        SamplingParams(do_sample=True, temperature=1.0, verification=REJECTION),
     ],
-    ids=["T=1", "T=0.7,top_p=0.9"],
+    ids=["T=1", "T=0.7,top_p=0.9", "T=1,rejection"],
 )
 def test_lookup_drafts_sample_exactly_the_target(params: SamplingParams) -> None:
-    """One-hot lookup drafts through the rejection sampler: the 5-token continuations are
+    """One-hot lookup drafts through either verifier: the 5-token continuations are
     distributed as the target's, and the rounds really drafted 3 tokens."""
     model = _small_vocab_model()
     decoder = SpeculativeDecoder(model, planner=LookupPlanner(LookupPlannerConfig(3)))

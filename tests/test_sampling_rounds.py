@@ -23,7 +23,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import knapspec.decoding.run as run_module
+import knapspec.decoding.sampler as sampler_module
 import knapspec.decoding.verify as verify_module
 from knapspec.decoding.verify import Verdict, verify_sampling
 
@@ -152,7 +152,7 @@ def _residual_from_the_next_target_row() -> Iterator[None]:
 
     mp = pytest.MonkeyPatch()
     mp.setattr(verify_module, "residual_distribution", residual)
-    mp.setattr(run_module, "verify_sampling", verify)
+    mp.setattr(sampler_module, "verify_sampling", verify)
     try:
         yield
     finally:
@@ -168,7 +168,7 @@ def test_the_position_check_rejects_draft_row_zero_for_every_position() -> None:
 
 def test_the_position_check_rejects_an_off_by_one_residual() -> None:
     with _residual_from_the_next_target_row():
-        by_position, _ = _position_samples(run_module.verify_sampling)
+        by_position, _ = _position_samples(sampler_module.verify_sampling)
     pvalues = _position_pvalues(by_position)
     assert min(pvalues[:DRAFTED]) < REJECT, pvalues
 
@@ -194,10 +194,10 @@ def test_the_decoders_joint_check_rejects_draft_row_zero(monkeypatch: pytest.Mon
     )
 
     model = _small_vocab_model()
-    params = SamplingParams(do_sample=True, temperature=1.0)
+    params = SamplingParams(do_sample=True, temperature=1.0, verification="rejection")
     decoder = SpeculativeDecoder(
         model, planner=StaticPlanner(BAD_DRAFT, LENGTH), confidence_threshold=0
     )
-    monkeypatch.setattr(run_module, "verify_sampling", _row_zero_draft)
+    monkeypatch.setattr(sampler_module, "verify_sampling", _row_zero_draft)
     samples = _sample(decoder, PROMPT, params, DECODER_RUNS, LENGTH)
     assert _chi_square_pvalue(samples, _exact_joint(model, PROMPT, params, LENGTH)) < REJECT

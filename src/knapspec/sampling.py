@@ -19,6 +19,11 @@ TEMPERATURE_FLOOR = 1e-30
 #: ``torch.Generator.manual_seed`` takes seeds in ``[0, 2**64)``.
 MAX_SEED = 2**64 - 1
 
+#: Sampled verification schemes (:attr:`SamplingParams.verification`).
+POSITION_KEYED = "position-keyed"
+REJECTION = "rejection"
+VERIFICATION_SCHEMES = (POSITION_KEYED, REJECTION)
+
 
 def _as_bool(value: Any) -> bool:
     if isinstance(value, (bool, numbers.Integral)) and value in (0, 1):
@@ -56,6 +61,16 @@ def _as_seed(value: Any) -> int | None:
     raise TypeError(f"seed must be an integer or None, got {type(value).__name__} {value!r}")
 
 
+def _as_scheme(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"verification must be a string, got {type(value).__name__} {value!r}")
+    if value not in VERIFICATION_SCHEMES:
+        raise ValueError(
+            f"verification must be one of {', '.join(VERIFICATION_SCHEMES)}, got {value!r}"
+        )
+    return value
+
+
 def _positive_temperature(
     instance: SamplingParams, attribute: attrs.Attribute[float], value: float
 ) -> None:
@@ -78,18 +93,30 @@ class SamplingParams:
     """How tokens are chosen.
 
     Attributes:
-        do_sample: False = greedy (exact token matching in verification); True = sampling
-            with lossless speculative rejection sampling.
+        do_sample: False = greedy (exact token matching in verification); True = sampling,
+            lossless under either ``verification`` scheme.
         temperature: softmax temperature (> 0), used when sampling. Temperatures below
             :data:`TEMPERATURE_FLOOR` (``1e-30``) sample greedily (all mass on the most
             likely token).
         top_k: keep the k most likely tokens (0 = off).
         top_p: nucleus mass in (0, 1] (1 = off).
-        seed: seed of the decoder's ``torch.Generator``, in ``[0, 2**64)``. ``None`` draws
-            the generator's seed from torch's global RNG, so ``torch.manual_seed(s)`` makes
-            unseeded calls reproducible, as with ``model.generate``. The same seed repeats
-            the tokens when the draft plans repeat too; plans chosen from measured time may
-            differ between runs, which changes the tokens drawn but never their distribution.
+        seed: the sampling seed, in ``[0, 2**64)``. ``None`` draws a fresh seed per call
+            from torch's global RNG (so ``torch.manual_seed(s)`` makes unseeded calls
+            reproducible, as with ``model.generate``). With ``position-keyed``
+            verification, the same seed, prompt, dtype and machine give the same tokens on
+            every call and under every planner (the autoregressive one included: they
+            equal plain sampling with this seed), whatever the drafts were. With
+            ``rejection``, they repeat only when the draft plans repeat too. Neither
+            reproduces transformers' own sampler (a different random stream).
+        verification: how sampled drafts are verified. ``"position-keyed"`` (default):
+            every token is ``argmax(log p~ + G_t)`` with Gumbel noise keyed by (seed,
+            absolute position), and a draft is accepted iff it equals that token; the
+            output does not depend on the draft plan. A lookup draft is accepted with
+            probability ``p(x)``, as under rejection sampling; a sub-network draft (drafted
+            with the same noise) with the Gumbel coupling's probability, between
+            ``a / (2 - a)`` and ``a = sum min(p, q)``. ``"rejection"``: speculative
+            rejection sampling (Leviathan et al. 2023), acceptance ``sum min(p, q)``, the
+            tokens drawn per round, so they depend on the plan.
 
     Integers of any kind (numpy scalars included) are accepted where a number is expected;
     a wrong type raises ``TypeError`` naming the field.
@@ -102,10 +129,12 @@ class SamplingParams:
     top_k: int = attrs.field(default=0, converter=_as_int, validator=_top_k_range)
     top_p: float = attrs.field(default=1.0, converter=_as_top_p, validator=_top_p_range)
     seed: int | None = attrs.field(default=None, converter=_as_seed)
+    verification: str = attrs.field(default=POSITION_KEYED, converter=_as_scheme)
 
 
-def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Target/draft distribution after temperature, top-k and top-p.
+def processed_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature-scaled logits with the tokens top-k and top-p filter set to ``-inf``:
+    :func:`processed_probs` is their softmax.
 
     Top-p keeps, per row, the smallest set of most likely tokens whose mass reaches
     ``top_p`` (the most likely token always stays; tokens tied with the last kept one stay
@@ -115,7 +144,7 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         logits: ``(..., vocab)`` raw logits.
 
     Returns:
-        ``(..., vocab)`` float32 probabilities; filtered tokens have probability exactly 0.
+        ``(..., vocab)`` float32 scores.
     """
     scores = logits.float() / max(params.temperature, TEMPERATURE_FLOOR)
     if params.top_k > 0 and params.top_k < scores.shape[-1]:
@@ -124,7 +153,20 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if params.top_p < 1.0:
         threshold = _nucleus_threshold(scores, params.top_p)
         scores = scores.masked_fill(scores < threshold, float("-inf"))
-    return scores.softmax(dim=-1)
+    return scores
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Target/draft distribution after temperature, top-k and top-p
+    (:func:`processed_scores`).
+
+    Args:
+        logits: ``(..., vocab)`` raw logits.
+
+    Returns:
+        ``(..., vocab)`` float32 probabilities; filtered tokens have probability exactly 0.
+    """
+    return processed_scores(logits, params).softmax(dim=-1)
 
 
 # Candidates examined first for the nucleus; a language model's nucleus is usually far
@@ -175,4 +217,14 @@ def sample_token(probs: torch.Tensor, generator: torch.Generator | None = None) 
     return index
 
 
-__all__ = ["MAX_SEED", "TEMPERATURE_FLOOR", "SamplingParams", "processed_probs", "sample_token"]
+__all__ = [
+    "MAX_SEED",
+    "POSITION_KEYED",
+    "REJECTION",
+    "TEMPERATURE_FLOOR",
+    "VERIFICATION_SCHEMES",
+    "SamplingParams",
+    "processed_probs",
+    "processed_scores",
+    "sample_token",
+]

@@ -9,6 +9,7 @@ from typing import Any
 import attrs
 import torch
 
+from knapspec.decoding.sampler import TokenSampler, resolve_seed
 from knapspec.model.engine import ContextLengthError, SublayerEngine
 from knapspec.sampling import SamplingParams
 
@@ -183,30 +184,21 @@ def is_batch(input_ids: object) -> bool:
     )
 
 
-def row_generators(
+def row_samplers(
     params: SamplingParams, rows: int, seeds: Sequence[int] | None, device: torch.device
-) -> list[torch.Generator | None]:
-    """One generator per row when sampling (None per row when greedy).
+) -> list[TokenSampler]:
+    """One :class:`TokenSampler` per row.
 
-    Row ``r`` is seeded with ``seeds[r]``, else ``params.seed + r``, else a seed drawn
-    from torch's global RNG (so ``torch.manual_seed`` makes the call reproducible).
+    Row ``r`` samples with seed ``seeds[r]``, else ``params.seed + r``, else a fresh seed
+    drawn from torch's global RNG (so ``torch.manual_seed`` makes the call reproducible).
     """
     if seeds is not None and len(seeds) != rows:
         raise ValueError(f"seeds has {len(seeds)} entries for a batch of {rows} rows")
-    if not params.do_sample:
-        return [None] * rows
-    generators: list[torch.Generator | None] = []
+    samplers = []
     for row in range(rows):
-        if seeds is not None:
-            seed = int(seeds[row])
-        elif params.seed is not None:
-            seed = (params.seed + row) % 2**64
-        else:
-            seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
-        generator = torch.Generator(device=device)
-        generator.manual_seed(seed)
-        generators.append(generator)
-    return generators
+        seed = int(seeds[row]) % 2**64 if seeds is not None else resolve_seed(params, row)
+        samplers.append(TokenSampler(params, seed, device))
+    return samplers
 
 
 __all__ = [
@@ -215,7 +207,7 @@ __all__ = [
     "check_batch_context",
     "is_batch",
     "new_token_limit",
-    "row_generators",
+    "row_samplers",
     "sampling_params",
     "single_prompt",
     "stop_set",

@@ -32,8 +32,9 @@ and its K/V is copied into the batch cache. With fewer slots than prompts
 row's slot goes to the next one, prefilled between two rounds (continuous batching), so
 a batch does not idle behind its slowest row while prompts wait.
 
-Greedy rows equal their prompt decoded alone; sampled rows use their own generator and
-lossless rejection sampling, so each is distributed as the target.
+Greedy rows equal their prompt decoded alone; sampled rows use their own seed
+(:class:`~knapspec.decoding.sampler.TokenSampler`), and under position-keyed sampling
+(the default) equal their prompt decoded alone with that seed too.
 """
 
 from __future__ import annotations
@@ -49,11 +50,12 @@ import torch
 from knapspec.decoding.arguments import batch_prompts
 from knapspec.decoding.batch_policy import BatchDraftPolicy, BatchSubnetwork, RoundPlan
 from knapspec.decoding.run import PREFILL_WINDOW_TOKENS
+from knapspec.decoding.sampler import TokenSampler
 from knapspec.decoding.stats import GenerationStats
-from knapspec.decoding.verify import NonFiniteLogitsError, verify_greedy, verify_sampling
+from knapspec.decoding.verify import NonFiniteLogitsError
 from knapspec.drafters.base import NO_DRAFT, BatchDraftRequest, Draft, Drafter, DraftRequest
 from knapspec.model.batched import forward_batch, new_batch_cache
-from knapspec.sampling import SamplingParams, processed_probs, sample_token
+from knapspec.sampling import SamplingParams
 from knapspec.validators import check_finite
 
 if TYPE_CHECKING:
@@ -123,7 +125,7 @@ class BatchRun:
             rows together (``propose_batch``).
         proposers: the drafters that propose before every round (the planner's
             ``proposal_drafters()``).
-        generators: per row, its sampling generator (None when greedy).
+        samplers: per row, how it picks and verifies tokens (its seed).
         plan_subnetwork: chooses the sub-network on the first row (None: lookup only).
         capture_points: the first row's prefill records the item points (the planner
             reads them as its reference window).
@@ -146,7 +148,7 @@ class BatchRun:
         max_draft_length: int,
         drafters: Mapping[str, Drafter],
         proposers: Iterable[str] = (),
-        generators: list[torch.Generator | None],
+        samplers: list[TokenSampler],
         plan_subnetwork: SubnetworkPlanner | None = None,
         capture_points: bool = False,
         slots: int | None = None,
@@ -159,7 +161,7 @@ class BatchRun:
         self.params = params
         self.policy = policy
         self.max_draft_length = max_draft_length
-        self.generators = generators
+        self.samplers = samplers
         self.plan_subnetwork = plan_subnetwork
         self.capture_points = capture_points
         self.subnetwork: BatchSubnetwork | None = None
@@ -177,16 +179,15 @@ class BatchRun:
             torch.cuda.synchronize(self.engine.device)
         return time.perf_counter()
 
-    def _choose(self, row: int, logits: torch.Tensor) -> int:
-        """One token from ``logits (vocab,)`` for ``row``: argmax or a sample."""
-        return self._choose_with_q(row, logits)[0]
+    def _choose(self, row: int, logits: torch.Tensor, position: int) -> int:
+        """``row``'s token at absolute ``position`` from ``logits (vocab,)``."""
+        return self._choose_with_q(row, logits, position)[0]
 
-    def _choose_with_q(self, row: int, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """``row``'s token from ``logits (vocab,)`` and, when sampled, its distribution."""
-        if not self.params.do_sample:
-            return int(logits.argmax()), None
-        q = processed_probs(logits, self.params)
-        return sample_token(q, self.generators[row]), q
+    def _choose_with_q(
+        self, row: int, logits: torch.Tensor, position: int
+    ) -> tuple[int, torch.Tensor | None]:
+        """``row``'s token at ``position`` and, when sampled, its distribution."""
+        return self.samplers[row].choose(logits, position)
 
     def _commit(self, row: int, tokens: list[int]) -> int:
         """Append up to the limit / first stop token; returns how many were kept."""
@@ -248,7 +249,7 @@ class BatchRun:
         check_finite(out.logits, f"prefill of row {row}", error=NonFiniteLogitsError.during)
         cache.append_row(self.scratch, prompt.numel())
         active.append(row)
-        token = self._choose(row, out.logits[-1])
+        token = self._choose(row, out.logits[-1], prompt.numel())
         pending[row] = token
         self._commit(row, [token])
         for drafter in self.drafters[row]:
@@ -311,12 +312,8 @@ class BatchRun:
             tokens = list(draft.tokens)
             scores = logits[offset : offset + len(tokens) + 1]
             offset += widths[slot]
-            if self.params.do_sample:
-                target = processed_probs(scores, self.params)
-                draft_probs = draft.draft_probs(target.shape[-1], target.device)
-                verdict = verify_sampling(tokens, draft_probs, target, self.generators[row])
-            else:
-                verdict = verify_greedy(tokens, scores)
+            # The pending token sits at position lengths[row]; row 0 picks the next one.
+            verdict = self.samplers[row].verify(draft, scores, lengths[row] + 1)
             # Inputs at positions n .. n + accepted are now this row's: keep their K/V only.
             lengths[row] += verdict.accepted + 1
             new_lengths.append(lengths[row])
@@ -372,7 +369,7 @@ class BatchRun:
             contexts,
             steps,
             self.subnetwork.mask,
-            lambda slot, logits, position: self._choose_with_q(active[slot], logits),
+            lambda slot, logits, position: self._choose_with_q(active[slot], logits, position),
             self._now,
             on_step=lambda seconds: self.policy.observe_draft_pass(
                 len(active), mean_context, seconds

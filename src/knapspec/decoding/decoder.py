@@ -32,7 +32,7 @@ from knapspec.decoding.arguments import (
     check_batch_context,
     is_batch,
     new_token_limit,
-    row_generators,
+    row_samplers,
     sampling_params,
     single_prompt,
     stop_set,
@@ -50,6 +50,7 @@ from knapspec.decoding.batch_policy import (
     PlainBatchPolicy,
 )
 from knapspec.decoding.run import GenerationResult, LogitsProcessor, Run
+from knapspec.decoding.sampler import TokenSampler, resolve_seed
 from knapspec.drafters.base import Drafter
 from knapspec.model.engine import ContextLengthError, SublayerEngine
 from knapspec.planners.base import Planner, PlanningContext
@@ -304,8 +305,9 @@ class SpeculativeDecoder:
             attention_mask: ``(B, n)``, 1 for tokens and 0 for left padding (tensor input
                 only; None: no padding).
             max_new_tokens, eos_token_id, sampling: as :meth:`generate`, for every row.
-            seeds: per row, the seed of its sampling generator (default: ``sampling.seed
-                + row``, or drawn from torch's global RNG when no seed is set).
+            seeds: per row, its sampling seed (default: ``sampling.seed + row``, or a
+                fresh seed per row from torch's global RNG when no seed is set). A row
+                gives the tokens its prompt gives alone with ``sampling.seed`` = its seed.
             policy: each row's draft length and drafter per round (default: the batch
                 TPT search :class:`~knapspec.decoding.batch_policy.CostModelBatchPolicy`
                 when a cost model exists, over lookup drafts if the planner prices them
@@ -324,7 +326,7 @@ class SpeculativeDecoder:
         check_batch_context(prompts, limit, self.engine.max_context)
         params = sampling_params(sampling) if sampling is not None else self.sampling
         stop_ids = stop_set(eos_token_id)
-        generators = row_generators(params, len(prompts), seeds, self.engine.device)
+        samplers = row_samplers(params, len(prompts), seeds, self.engine.device)
         if self._calibrated_cost_model is not self.cost_model:  # a new cost model: new prices
             self._batch_calibration = BatchPassCalibration()
             self._batch_draft_calibration = BatchPassCalibration()
@@ -353,7 +355,7 @@ class SpeculativeDecoder:
                 max_draft_length=self.max_draft_length,
                 drafters=self.drafters,
                 proposers=self.planner.proposal_drafters(),
-                generators=generators,
+                samplers=samplers,
                 plan_subnetwork=self._batch_subnetwork_planner(params, limit),
                 capture_points=self.planner.uses_window,
                 slots=slots,
@@ -415,15 +417,8 @@ class SpeculativeDecoder:
         streamer: BaseStreamer | None,
         logits_processor: LogitsProcessor | None,
     ) -> GenerationResult:
-        generator = None
-        if params.do_sample:
-            generator = torch.Generator(device=self.engine.device)
-            # No seed: draw one from torch's global RNG, so that torch.manual_seed(s) makes
-            # the call reproducible, as model.generate's sampling is.
-            seed = params.seed
-            if seed is None:
-                seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
-            generator.manual_seed(seed)
+        # Unseeded: a fresh seed from torch's global RNG (torch.manual_seed repeats it).
+        sampler = TokenSampler(params, resolve_seed(params), self.engine.device)
         run = Run(
             self.engine,
             self._cache,
@@ -438,7 +433,7 @@ class SpeculativeDecoder:
             max_new_tokens=max_new_tokens,
             stop_ids=stop_ids,
             params=params,
-            generator=generator,
+            sampler=sampler,
             streamer=streamer,
             logits_processor=logits_processor,
         )

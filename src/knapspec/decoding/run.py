@@ -16,8 +16,9 @@ import attrs
 import torch
 
 from knapspec.costmodels.base import LatencyObservation
+from knapspec.decoding.sampler import TokenSampler
 from knapspec.decoding.stats import GenerationStats, PlanRecord
-from knapspec.decoding.verify import NonFiniteLogitsError, verify_greedy, verify_sampling
+from knapspec.decoding.verify import NonFiniteLogitsError
 from knapspec.drafters.base import (
     NO_DRAFT,
     Draft,
@@ -27,7 +28,7 @@ from knapspec.drafters.base import (
     Verification,
 )
 from knapspec.planners.base import Planner, PlanningContext
-from knapspec.sampling import SamplingParams, processed_probs, sample_token
+from knapspec.sampling import SamplingParams
 from knapspec.types import DraftPlan, StepOutcome, SublayerMask
 from knapspec.validators import check_finite
 
@@ -80,8 +81,9 @@ class Run:
         max_draft_length: D, the largest γ.
         confidence_threshold: τ_conf, handed to drafters that run the model.
         prompt: ``(n,)`` token ids on the engine's device.
-        max_new_tokens, stop_ids, params, generator, streamer, logits_processor: the
-            call's arguments, checked by the decoder.
+        max_new_tokens, stop_ids, params, streamer, logits_processor: the call's
+            arguments, checked by the decoder.
+        sampler: how the call picks and verifies tokens (its seed).
     """
 
     def __init__(
@@ -100,7 +102,7 @@ class Run:
         max_new_tokens: int,
         stop_ids: frozenset[int],
         params: SamplingParams,
-        generator: torch.Generator | None,
+        sampler: TokenSampler,
         streamer: BaseStreamer | None,
         logits_processor: LogitsProcessor | None = None,
     ) -> None:
@@ -118,7 +120,7 @@ class Run:
         self.max_new_tokens = max_new_tokens
         self.stop_ids = stop_ids
         self.params = params
-        self.generator = generator
+        self.sampler = sampler
         self.streamer = streamer
         self.stats = GenerationStats(prompt_tokens=prompt.numel())
         self.output: list[int] = []
@@ -148,12 +150,10 @@ class Run:
             rows.append(self.logits_processor(prefix.unsqueeze(0).to(logits.device), row))
         return torch.cat(rows)
 
-    def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """Pick a token from ``logits (vocab,)``: argmax, or a sample from the processed p."""
-        if not self.params.do_sample:
-            return int(logits.argmax()), None
-        probs = processed_probs(logits, self.params)
-        return sample_token(probs, self.generator), probs
+    def _choose(self, logits: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None]:
+        """The token at absolute ``position`` from ``logits (vocab,)``: argmax or a sample,
+        with the processed distribution when sampling (:class:`TokenSampler`)."""
+        return self.sampler.choose(logits, position)
 
     def execute(self) -> GenerationResult:
         engine, cache, stats, planner = self.engine, self.cache, self.stats, self.planner
@@ -186,7 +186,7 @@ class Run:
             # Target tokens for the seed: the model's argmax after each seed token.
             seed_logits = engine.logits(out.hidden[-seed:])
             self.window.push(out.points, self.prompt[-seed:], seed_logits.argmax(-1), n - seed)
-        pending, _ = self._choose(self._process(out.logits[-1:], [])[0])
+        pending, _ = self._choose(self._process(out.logits[-1:], [])[0], n)
         stats.prefill_time_s = self._now() - start_time
         self._commit([pending])
 
@@ -333,7 +333,10 @@ class Run:
         target = DraftTarget(
             self.engine,
             self.cache,
-            lambda logits, drafted: self._choose(self._process(logits[None], drafted)[0]),
+            # The pending token sits at position n: the j-th draft token is at n + 1 + j.
+            lambda logits, drafted: self._choose(
+                self._process(logits[None], drafted)[0], n + 1 + len(drafted)
+            ),
             self._now,
             cost_model=self.cost_model,
             confidence_threshold=self.confidence_threshold,
@@ -353,12 +356,7 @@ class Run:
         target_next = out.logits.argmax(dim=-1) if capture else None
         drafts = list(draft.tokens)
         scores = self._process(out.logits, drafts)
-        if self.params.do_sample:
-            target_probs = processed_probs(scores, self.params)
-            draft_probs = draft.draft_probs(target_probs.shape[-1], target_probs.device)
-            verdict = verify_sampling(drafts, draft_probs, target_probs, self.generator)
-        else:
-            verdict = verify_greedy(drafts, scores)
+        verdict = self.sampler.verify(draft, scores, n + 1)  # row 0 picks position n + 1
         elapsed = self._now() - verify_start
         self.stats.verify_time_s += elapsed
         if self.cost_model is not None:

@@ -50,7 +50,7 @@ TokenChooser = Callable[[torch.Tensor, list[int]], tuple[int, "torch.Tensor | No
 
 #: ``(slot, logits (vocab,), position) -> (token, q)``: as :data:`TokenChooser`, for the
 #: batch row in ``slot``, picking the token at absolute ``position`` (each row samples with
-#: its own generator).
+#: its own seed, keyed by position).
 RowChooser = Callable[[int, torch.Tensor, int], tuple[int, "torch.Tensor | None"]]
 
 

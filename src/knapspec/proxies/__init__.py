@@ -22,6 +22,7 @@ from knapspec.proxies.montecarlo import (
     MonteCarloAcceptanceProxy,
     MonteCarloProxyConfig,
     acceptance_probability,
+    coupling_acceptance,
 )
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "acceptance_probability",
     "certify",
     "cosine_bound",
+    "coupling_acceptance",
     "greedy_margin",
     "lemma_states",
     "max_row_distance",

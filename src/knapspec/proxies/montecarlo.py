@@ -11,7 +11,7 @@ import torch
 from knapspec.proxies.base import PROXIES, AcceptanceEstimate, ValueProxy
 from knapspec.proxies.intervals import mean_interval, wilson_interval
 from knapspec.proxies.validation import check_score_inputs, check_window_inputs
-from knapspec.sampling import SamplingParams, processed_probs
+from knapspec.sampling import POSITION_KEYED, SamplingParams, processed_probs
 from knapspec.scores import mean_cosine
 from knapspec.validators import check_finite, open_unit_interval
 
@@ -41,6 +41,47 @@ def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     check_finite(p, "p")
     check_finite(q, "q")
     return torch.minimum(p, q).sum(dim=-1).clamp(0.0, 1.0)
+
+
+#: Tokens (the largest ``p + q``) :func:`coupling_acceptance` sums exactly.
+COUPLING_CANDIDATES = 32
+
+
+def coupling_acceptance(
+    p: torch.Tensor, q: torch.Tensor, candidates: int = COUPLING_CANDIDATES
+) -> torch.Tensor:
+    """Per-token acceptance of a draft drawn with the target's Gumbel noise (position-keyed
+    sampling): ``P(argmax(log q + G) = argmax(log p + G))``, from below.
+
+    With ``G = -log E`` for ``E`` i.i.d. exponential, both argmaxes equal ``i`` iff
+    ``E_j > E_i max(p_j / p_i, q_j / q_i)`` for every ``j``, so the exact value is
+    ``Σ_i 1 / Σ_j max(p_j / p_i, q_j / q_i)``. It is summed over the ``candidates``
+    tokens of largest ``p + q``; the others enter the inner sums through their total
+    masses ``P, Q`` as ``P / p_i + Q / q_i`` (>= their true share), so the result never
+    exceeds the exact value. It is raised to ``a / (2 - a)``, ``a = Σ min(p, q)``, where
+    that is larger (a lower bound for every ``p, q``: Daliri, Musco & Suresh 2024,
+    "Coupling without communication and drafter-invariant speculative decoding"), and it
+    never exceeds ``a`` (no coupling does better).
+
+    Args:
+        p: ``(..., V)`` target probabilities; q: ``(..., V)`` draft probabilities.
+
+    Returns:
+        ``(...)`` in [0, 1].
+    """
+    a = acceptance_probability(p, q)
+    k = min(candidates, p.shape[-1])
+    index = torch.topk(p + q, k, dim=-1).indices
+    p_c, q_c = p.gather(-1, index).double(), q.gather(-1, index).double()  # (..., k)
+    p_rest = (1.0 - p_c.sum(-1, keepdim=True)).clamp_min(0.0)
+    q_rest = (1.0 - q_c.sum(-1, keepdim=True)).clamp_min(0.0)
+    both = (p_c > 0) & (q_c > 0)
+    p_i = torch.where(both, p_c, 1.0).unsqueeze(-1)  # (..., k, 1): the term's own token
+    q_i = torch.where(both, q_c, 1.0).unsqueeze(-1)
+    ratios = torch.maximum(p_c.unsqueeze(-2) / p_i, q_c.unsqueeze(-2) / q_i)  # (..., k, k)
+    inner = ratios.sum(-1) + (p_rest / p_i.squeeze(-1)) + (q_rest / q_i.squeeze(-1))
+    exact_part = torch.where(both, 1.0 / inner, 0.0).sum(-1).to(a.dtype)
+    return torch.minimum(torch.maximum(exact_part, a / (2.0 - a)), a)
 
 
 @attrs.frozen
@@ -74,9 +115,10 @@ class MonteCarloAcceptanceProxy(ValueProxy):
     """α measured on the window: greedy agreement, or the exact sampling acceptance.
 
     Greedy: α = share of window tokens whose candidate argmax equals the target's, with a
-    Wilson interval. Sampling: α = mean over window tokens of ``Σ_v min(p(v), q(v))`` with
-    ``p``, ``q`` the target's and candidate's :func:`processed_probs` at the decoder's
-    temperature / top-k / top-p, with a normal interval.
+    Wilson interval. Sampling: α = mean over window tokens of the verification scheme's
+    acceptance of ``p``, ``q``, the target's and candidate's :func:`processed_probs` at the
+    decoder's temperature / top-k / top-p, with a normal interval: ``Σ_v min(p(v), q(v))``
+    for rejection sampling, :func:`coupling_acceptance` for position-keyed sampling.
 
     Args:
         score, confidence: see :class:`MonteCarloProxyConfig`.
@@ -137,7 +179,8 @@ class MonteCarloAcceptanceProxy(ValueProxy):
         candidate_final: torch.Tensor,
         sampling: SamplingParams,
     ) -> torch.Tensor:
-        """``(B, r)`` per-token acceptance: 0/1 agreement (greedy) or ``Σ min(p, q)``."""
+        """``(B, r)`` per-token acceptance: 0/1 agreement (greedy), ``Σ min(p, q)``
+        (rejection sampling) or :func:`coupling_acceptance` (position-keyed sampling)."""
         check_window_inputs(engine, window, candidate_final)
         rows = []
         if not sampling.do_sample:
@@ -146,9 +189,10 @@ class MonteCarloAcceptanceProxy(ValueProxy):
                 rows.append((engine.logits(branch).argmax(dim=-1) == targets).float())
             return torch.stack(rows)
         p = processed_probs(self._target(engine, window), sampling)
+        keyed = sampling.verification == POSITION_KEYED
         for branch in candidate_final:
             q = processed_probs(engine.logits(branch), sampling)
-            rows.append(acceptance_probability(p, q))
+            rows.append(coupling_acceptance(p, q) if keyed else acceptance_probability(p, q))
         return torch.stack(rows)
 
     @torch.inference_mode()
@@ -173,4 +217,5 @@ __all__ = [
     "MonteCarloProxyConfig",
     "ScoreMode",
     "acceptance_probability",
+    "coupling_acceptance",
 ]

@@ -1,0 +1,94 @@
+"""How one sequence chooses and verifies its tokens: greedy, position-keyed or rejection.
+
+A :class:`TokenSampler` is built per sequence per call (one per batch row) and used by
+every place that picks a token: the prefill's first token, a plain step, a sub-network
+draft step and the verification rows. Each call names the absolute position of the token
+it picks (the prompt's tokens are positions ``0 .. n - 1``, the first new token is ``n``),
+which is what position-keyed sampling keys its noise by (:mod:`knapspec.gumbel`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from knapspec.decoding.verify import Verdict, verify_greedy, verify_sampling
+from knapspec.drafters.base import Draft
+from knapspec.gumbel import keyed_argmax, position_key
+from knapspec.sampling import (
+    REJECTION,
+    SamplingParams,
+    processed_probs,
+    processed_scores,
+    sample_token,
+)
+
+
+def resolve_seed(params: SamplingParams, offset: int = 0) -> int:
+    """The seed a call samples with: ``params.seed + offset`` (mod ``2**64``), or, unseeded,
+    a fresh one from torch's global RNG (so ``torch.manual_seed`` makes the call repeat).
+    Greedy calls need none: 0, leaving the global RNG untouched."""
+    if not params.do_sample:
+        return 0
+    if params.seed is not None:
+        return (params.seed + offset) % 2**64
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64))
+
+
+class TokenSampler:
+    """Picks and verifies one sequence's tokens under ``params``.
+
+    Args:
+        params: greedy when ``do_sample`` is false; else its ``verification`` scheme.
+        seed: the resolved seed (:func:`resolve_seed`); ignored when greedy.
+        device: where the rejection scheme's generator draws.
+    """
+
+    def __init__(self, params: SamplingParams, seed: int, device: torch.device) -> None:
+        self.params = params
+        self.seed = seed
+        self.sampled = params.do_sample
+        self.rejection = params.do_sample and params.verification == REJECTION
+        self.generator: torch.Generator | None = None
+        if self.rejection:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(seed)
+
+    def choose(self, logits: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None]:
+        """The token at ``position`` from ``logits (vocab,)`` (already through any logits
+        processor), and its processed distribution ``(vocab,)`` when sampling (a draft's
+        ``q``; None when greedy)."""
+        if not self.sampled:
+            return int(logits.argmax()), None
+        if self.rejection:
+            probs = processed_probs(logits, self.params)
+            return sample_token(probs, self.generator), probs
+        scores = processed_scores(logits, self.params)
+        token = keyed_argmax(scores[None], [position_key(self.seed, position)])[0]
+        return token, scores.softmax(dim=-1)
+
+    def verify(self, draft: Draft, logits: torch.Tensor, position: int) -> Verdict:
+        """Verify ``draft`` against the target's ``logits (k + 1, vocab)``, whose row ``j``
+        picks the token at ``position + j``.
+
+        Position-keyed: the target's token at each row is ``argmax(s + G)`` with that
+        row's noise, and the drafts are matched against it exactly as greedy drafts are
+        against the argmax; the committed tokens are those plain sampling picks.
+        """
+        drafts = list(draft.tokens)
+        if not self.sampled:
+            return verify_greedy(drafts, logits)
+        if self.rejection:
+            target = processed_probs(logits, self.params)
+            draft_probs = draft.draft_probs(target.shape[-1], target.device)
+            return verify_sampling(drafts, draft_probs, target, self.generator)
+        scores = processed_scores(logits, self.params)
+        # Row by row, stopping at the first mismatch: later rows' noise is never needed.
+        j = 0
+        while True:
+            token = keyed_argmax(scores[j : j + 1], [position_key(self.seed, position + j)])[0]
+            if j == len(drafts) or token != drafts[j]:
+                return Verdict(j, [*drafts[:j], token])
+            j += 1
+
+
+__all__ = ["TokenSampler", "resolve_seed"]
