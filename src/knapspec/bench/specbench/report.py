@@ -375,9 +375,16 @@ def docs_section(runs: Sequence[SpecBenchRunData], docs: Path, reproduce: str) -
     for data in runs:
         rows = summarise(data)
         link = os.path.relpath((data.run_dir / REPORT).resolve(), docs.parent.resolve())
+        note = data.run_dir / "NOTE.md"  # what the numbers mean, written beside the run
+        noted = []
+        if note.exists():
+            title = note.read_text(encoding="utf-8").splitlines()[0].lstrip("# ").strip()
+            target = os.path.relpath(note.resolve(), docs.parent.resolve())
+            noted = [f"**{title}**: see [its note]({target}).", ""]
         parts += [
             f"### `{data.run_dir.name}` ([report]({link}))",
             "",
+            *noted,
             *_environment_lines(data.info),
             "",
             by_category_table(rows),
