@@ -277,8 +277,12 @@ def _environment_lines(info: dict[str, Any]) -> list[str]:
         f"batch 1, at most {settings.get('max_new_tokens', '?')} new tokens per turn",
         f"- torch {env.get('torch', '?')}, transformers {env.get('transformers', '?')}, "
         f"knapspec commit `{env.get('commit', '?')}`, status: {info.get('status', '?')}",
-        f"- questions: `{info.get('question_file', '?')}`",
-        *(f"- command: `{command}`" for command in info.get("commands", [info.get("command")])),
+        f"- questions: `{info.get('question_file') or 'not recorded'}`",
+        *(
+            f"- command: `{command}`"
+            for command in info.get("commands", [info.get("command")])
+            if command  # a run started through the Python API records none
+        ),
     ]
 
 
@@ -371,9 +375,16 @@ def docs_section(runs: Sequence[SpecBenchRunData], docs: Path, reproduce: str) -
     for data in runs:
         rows = summarise(data)
         link = os.path.relpath((data.run_dir / REPORT).resolve(), docs.parent.resolve())
+        note = data.run_dir / "NOTE.md"  # what the numbers mean, written beside the run
+        noted = []
+        if note.exists():
+            title = note.read_text(encoding="utf-8").splitlines()[0].lstrip("# ").strip()
+            target = os.path.relpath(note.resolve(), docs.parent.resolve())
+            noted = [f"**{title}**: see [its note]({target}).", ""]
         parts += [
             f"### `{data.run_dir.name}` ([report]({link}))",
             "",
+            *noted,
             *_environment_lines(data.info),
             "",
             by_category_table(rows),
