@@ -212,8 +212,8 @@ def row_invariant_table(
             },
             source=f"{table.source}+row-invariant",
         )
-    if failed:
-        logger.info(
+    if failed:  # detail for the curious (the engine's invariance report keeps it too)
+        logger.debug(
             "knapspec: kernels that are not row-invariant on this machine were set aside: %s",
             "; ".join(f"{shape}: {', '.join(names)}" for shape, names in sorted(failed.items())),
         )
