@@ -49,6 +49,12 @@ if TYPE_CHECKING:
         PlainBatchPolicy,
         RoundPlan,
     )
+    from knapspec.decoding.conversation import (
+        Conversation,
+        ConversationBusyError,
+        ConversationError,
+        ConversationTurn,
+    )
     from knapspec.decoding.decoder import GenerationResult, SpeculativeDecoder
     from knapspec.decoding.stats import GenerationStats, PlanRecord
     from knapspec.decoding.verify import NonFiniteLogitsError
@@ -109,6 +115,10 @@ _EXPORTS = {
     "ComponentConfig": "knapspec.config",
     "ConfigError": "knapspec.config",
     "ContextLengthError": "knapspec.model",
+    "Conversation": "knapspec.decoding.conversation",
+    "ConversationBusyError": "knapspec.decoding.conversation",
+    "ConversationError": "knapspec.decoding.conversation",
+    "ConversationTurn": "knapspec.decoding.conversation",
     "CosineProxy": "knapspec.proxies",
     "CostModel": "knapspec.costmodels",
     "DELPlanner": "knapspec.planners",
@@ -191,6 +201,10 @@ __all__ = [
     "ComponentConfig",
     "ConfigError",
     "ContextLengthError",
+    "Conversation",
+    "ConversationBusyError",
+    "ConversationError",
+    "ConversationTurn",
     "CosineProxy",
     "CostModel",
     "CostModelBatchPolicy",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 import pkgutil
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -35,7 +36,7 @@ from knapspec.planners.base import PLANNERS
 from knapspec.proxies.base import PROXIES
 from knapspec.registry import Registry, UnknownComponentError
 from knapspec.sampling import SamplingParams
-from knapspec.validators import at_least, unit_interval
+from knapspec.validators import at_least, interval, unit_interval
 
 ComponentKind = Literal["planner", "cost_model", "proxy"]
 
@@ -258,6 +259,11 @@ class DecoderConfig:
         allow_dotted_paths: let component names be importable ``"package.module:Class"``
             paths of unregistered classes (off by default: a config file then cannot
             import arbitrary code).
+        prefix_cache_mib: memory budget in MiB of the prompt-prefix cache (0 = off, the
+            default): each call keeps its sequence's K/V, and a later prompt that starts
+            with the same tokens prefills only the rest (least recently used entries are
+            evicted to stay under the budget). Used on an exact engine only, where reuse
+            leaves outputs bitwise unchanged.
 
     Components given as a bare name, a ``ComponentConfig`` without params or a dict are
     normalised on construction, so equal configs compare equal however they were built.
@@ -276,6 +282,9 @@ class DecoderConfig:
     confidence_threshold: float = attrs.field(default=0.7, validator=unit_interval)
     allow_dotted_paths: bool = attrs.field(
         default=False, validator=attrs.validators.instance_of(bool)
+    )
+    prefix_cache_mib: float = attrs.field(
+        default=0.0, validator=interval(0.0, math.inf, high_open=True)
     )
 
     def __attrs_post_init__(self) -> None:
@@ -366,6 +375,7 @@ class DecoderConfig:
             "window_rounds",
             "window_max_tokens",
             "confidence_threshold",
+            "prefix_cache_mib",
         ):
             if name in data:
                 try:

@@ -59,6 +59,7 @@ from knapspec.sampling import SamplingParams
 from knapspec.validators import check_finite
 
 if TYPE_CHECKING:
+    from knapspec.decoding.prefix_cache import PrefixCache
     from knapspec.model.batch_cache import BatchKVCache
     from knapspec.model.cache import KVCache
     from knapspec.model.engine import ForwardOutput, SublayerEngine
@@ -133,6 +134,8 @@ class BatchRun:
             wait in input order, and each row that finishes hands its slot to the next
             prompt, prefilled between two rounds (continuous batching): the batch never
             idles behind its slowest row while prompts wait.
+        prefix_cache: where each row's prefill looks up the longest cached prefix of its
+            prompt (and keeps the prompt's K/V for later calls); None: none.
     """
 
     def __init__(
@@ -152,8 +155,10 @@ class BatchRun:
         plan_subnetwork: SubnetworkPlanner | None = None,
         capture_points: bool = False,
         slots: int | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.engine = engine
+        self.prefix_cache = prefix_cache
         self.scratch = scratch
         self.prompts = prompts
         self.max_new_tokens = max_new_tokens
@@ -235,17 +240,23 @@ class BatchRun:
         commit its first token; the first row admitted also plans the sub-network."""
         engine, prompt = self.engine, self.prompts[row]
         started = self._now()
-        self.scratch.reset()
+        prefixes = self.prefix_cache
+        reused = prefixes.restore(prompt, self.scratch) if prefixes is not None else 0
+        self.scratch.crop(reused)  # 0: empty
         planning = row == 0 and self.plan_subnetwork is not None
         capture = planning and self.capture_points
+        new = prompt.numel() - reused
         out = engine.forward(
-            prompt,
-            0,
+            prompt[reused:],
+            reused,
             self.scratch,
             all_logits=False,
             capture_points=capture,
-            capture_last=min(PREFILL_WINDOW_TOKENS, prompt.numel()) if capture else None,
+            capture_last=min(PREFILL_WINDOW_TOKENS, new) if capture else None,
         )
+        self.stats[row].cached_prompt_tokens = reused
+        if prefixes is not None:
+            prefixes.store(prompt, self.scratch, prompt.numel())
         check_finite(out.logits, f"prefill of row {row}", error=NonFiniteLogitsError.during)
         cache.append_row(self.scratch, prompt.numel())
         active.append(row)

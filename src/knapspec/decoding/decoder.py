@@ -10,7 +10,13 @@ One round of a single sequence (the loop lives in :mod:`knapspec.decoding.run`):
 A plan with γ = 0 is a plain autoregressive step. Greedy output equals the target's greedy
 output token for token; sampled output is distributed exactly as the target's. Several
 prompts at once run in :mod:`knapspec.decoding.batch` (lookup or shared sub-network drafts
-per row, ragged acceptance); a single prompt never takes that path.
+per row, ragged acceptance); a single prompt never takes that path. A conversation
+(:mod:`knapspec.decoding.conversation`) runs its turns on a decoder's components with
+its own KV cache.
+
+Size: over 450 lines because ``generate``'s three typed overloads, ``generate_batch`` and
+``conversation`` carry the public API's documentation; the loops live in
+:mod:`~knapspec.decoding.run` and :mod:`~knapspec.decoding.batch`.
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ from knapspec.decoding.batch_policy import (
     CostModelBatchPolicy,
     PlainBatchPolicy,
 )
+from knapspec.decoding.conversation import Conversation
+from knapspec.decoding.prefix_cache import PrefixCache
 from knapspec.decoding.run import GenerationResult, LogitsProcessor, Run
 from knapspec.decoding.sampler import TokenSampler, resolve_seed
 from knapspec.drafters.base import Drafter
@@ -59,6 +67,7 @@ from knapspec.sampling import SamplingParams
 from knapspec.window import WindowBuffer
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
     from transformers.generation.streamers import BaseStreamer
 
     from knapspec.model.cache import KVCache
@@ -152,6 +161,13 @@ class SpeculativeDecoder:
             self.planner.plan_drafters(),
             proposers=self.planner.proposal_drafters(),
         )
+        #: The prompt-prefix cache (``config.prefix_cache_mib``; None when off, or when
+        #: the engine is not chunk-invariant and reuse could change the output).
+        self.prefix_cache: PrefixCache | None = (
+            PrefixCache(self.config.prefix_cache_mib)
+            if self.config.prefix_cache_mib > 0 and self.engine.chunk_invariant
+            else None
+        )
         # generate() uses the cache and window above: one call at a time.
         self._lock = threading.Lock()
 
@@ -165,6 +181,26 @@ class SpeculativeDecoder:
         form or a TOML / JSON file path (the same as ``SpeculativeDecoder(model, config)``).
         """
         return cls(model, config)
+
+    @property
+    def lock(self) -> threading.Lock:
+        """Held while a call uses this decoder's planner, drafters and caches (every
+        ``generate`` and each :class:`Conversation` turn): calls run one at a time."""
+        return self._lock
+
+    def conversation(
+        self, tokenizer: PreTrainedTokenizerBase | None = None, *, system: str | None = None
+    ) -> Conversation:
+        """A new :class:`~knapspec.decoding.conversation.Conversation` on this decoder:
+        a chat whose turns keep the KV cache and lookup index of the earlier ones, so that
+        each turn prefills only its new tokens.
+
+        Args:
+            tokenizer: renders the turns with its chat template (:meth:`Conversation.send`);
+                None allows only token ids (:meth:`Conversation.generate`).
+            system: an optional system message.
+        """
+        return Conversation(self, tokenizer, system=system)
 
     # ------------------------------------------------------------------ API
     @overload
@@ -359,6 +395,7 @@ class SpeculativeDecoder:
                 plan_subnetwork=self._batch_subnetwork_planner(params, limit),
                 capture_points=self.planner.uses_window,
                 slots=slots,
+                prefix_cache=self.prefix_cache,
             )
             return run.execute()
 
@@ -419,6 +456,8 @@ class SpeculativeDecoder:
     ) -> GenerationResult:
         # Unseeded: a fresh seed from torch's global RNG (torch.manual_seed repeats it).
         sampler = TokenSampler(params, resolve_seed(params), self.engine.device)
+        prefixes = self.prefix_cache
+        reused = prefixes.restore(prompt, self._cache) if prefixes is not None else 0
         run = Run(
             self.engine,
             self._cache,
@@ -436,8 +475,14 @@ class SpeculativeDecoder:
             sampler=sampler,
             streamer=streamer,
             logits_processor=logits_processor,
+            reused_tokens=reused,
         )
-        return run.execute()
+        result = run.execute()
+        if prefixes is not None:
+            # Every committed token whose K/V the cache holds (all but perhaps the last).
+            sequence = result.sequences[0]
+            prefixes.store(sequence, self._cache, min(self._cache.seq_length, sequence.numel()))
+        return result
 
 
-__all__ = ["ContextLengthError", "GenerationResult", "SpeculativeDecoder"]
+__all__ = ["ContextLengthError", "Conversation", "GenerationResult", "SpeculativeDecoder"]

@@ -9,7 +9,7 @@ planner, drafters, cost model); batches run in :mod:`knapspec.decoding.batch`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -84,6 +84,14 @@ class Run:
         max_new_tokens, stop_ids, params, streamer, logits_processor: the call's
             arguments, checked by the decoder.
         sampler: how the call picks and verifies tokens (its seed).
+        reused_tokens: the cache already holds the K/V of the prompt's first this-many
+            tokens (a conversation's earlier turns, a cached prefix): only the rest is
+            prefilled. ``0 <= reused_tokens < prompt.numel()``.
+        proposers: the drafters that propose before planning, when the caller keeps
+            their state across calls (a conversation's lookup index); None: the planner's
+            ``proposal_drafters()`` among ``drafters``, reset with the prompt.
+        indexed_tokens: with ``proposers``, how many of the prompt's first tokens they
+            have already seen (they are extended with the rest); 0 resets them.
     """
 
     def __init__(
@@ -105,7 +113,17 @@ class Run:
         sampler: TokenSampler,
         streamer: BaseStreamer | None,
         logits_processor: LogitsProcessor | None = None,
+        reused_tokens: int = 0,
+        proposers: Sequence[Drafter] | None = None,
+        indexed_tokens: int = 0,
     ) -> None:
+        if not 0 <= reused_tokens < prompt.numel() or cache.seq_length < reused_tokens:
+            raise ValueError(
+                f"reused_tokens={reused_tokens} must be in [0, {prompt.numel()}) and held "
+                f"by every layer of the cache (it holds {cache.seq_length})"
+            )
+        self.reused_tokens = reused_tokens
+        self.indexed_tokens = indexed_tokens if proposers is not None else 0
         self.engine = engine
         self.cache = cache
         self.window = window
@@ -126,6 +144,11 @@ class Run:
         self.output: list[int] = []
         self.uses_window = planner.uses_window
         self.proposal_names = planner.proposal_drafters()
+        self.proposers = (
+            list(proposers)
+            if proposers is not None
+            else [drafters[name] for name in sorted(self.proposal_names)]
+        )
         self.synchronize = self.engine.device.type == "cuda"
 
     def _now(self) -> float:
@@ -158,7 +181,8 @@ class Run:
     def execute(self) -> GenerationResult:
         engine, cache, stats, planner = self.engine, self.cache, self.stats, self.planner
         start_time = self._now()
-        cache.reset()
+        reused = self.reused_tokens
+        cache.crop(reused)  # 0: an empty cache
         self.window.clear()
         planner.reset()
         if self.streamer is not None:
@@ -166,16 +190,19 @@ class Run:
                 self.prompt.unsqueeze(0).cpu()
             )
         n = self.prompt.numel()
+        stats.cached_prompt_tokens = reused
         cache.reserve(n + self.max_new_tokens + self.max_draft_length + 1)
         # The prompt and committed tokens, for planners that read the token ids.
         self.sequence = torch.empty(n + self.max_new_tokens, dtype=torch.long)
         self.sequence[:n] = self.prompt.cpu()
 
         capture = self._wants_window()
-        seed = min(PREFILL_WINDOW_TOKENS, n) if capture else None
+        seed = min(PREFILL_WINDOW_TOKENS, n - reused) if capture else None
+        # Only the tokens past the reused prefix; an exact engine computes them bitwise as
+        # a prefill of the whole prompt would (SublayerEngine.chunk_invariant).
         out = engine.forward(
-            self.prompt,
-            0,
+            self.prompt[reused:],
+            reused,
             cache,
             all_logits=False,
             capture_points=capture,
@@ -192,9 +219,12 @@ class Run:
 
         round_index = 0
         last_plan: DraftPlan | None = None
-        proposers = [self.drafters[name] for name in sorted(self.proposal_names)]
+        proposers = self.proposers
         for drafter in proposers:
-            drafter.reset(self.sequence[: n + 1].tolist())
+            if self.indexed_tokens:
+                drafter.extend(self.sequence[self.indexed_tokens : n + 1].tolist())
+            else:
+                drafter.reset(self.sequence[: n + 1].tolist())
         while not self._finished():
             plan_start = self._now()
             room = min(

@@ -75,9 +75,13 @@ class GenerationStats:
     lookup drafts (every round, drafted or not). ``best_rejected_draft_speedup`` is the
     highest predicted speed, relative to a plain step, of a draft the planner priced and
     rejected in favour of γ = 0 (None when it priced none): why a run did not speculate.
+    ``cached_prompt_tokens`` counts the prompt's first tokens whose K/V came from a cache
+    (a conversation's earlier turns, a cached prefix) instead of being prefilled;
+    ``prefill_time_s`` is the time to the first token.
     """
 
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
     new_tokens: int = 0
     wall_time_s: float = 0.0
     prefill_time_s: float = 0.0

@@ -41,7 +41,7 @@ from knapspec.model.invariance import InvarianceReport, row_invariant_table
 from knapspec.model.kernel_timing import linear_roles
 from knapspec.model.kernels import KERNELS, ONEDNN_KERNEL, PLAIN_KERNEL, Kernel, KernelTable
 from knapspec.model.onednn import prepack
-from knapspec.model.row_attention import EXACT_MAX_QUERIES, attend_rows
+from knapspec.model.row_attention import EXACT_MAX_QUERIES, attend_rows, kernel_available
 from knapspec.types import SublayerMask
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
@@ -190,6 +190,14 @@ class SublayerEngine:
             (:mod:`knapspec.model.invariance`). False runs the fastest kernels measured,
             which round differently for different row counts (greedy output may then
             leave plain decoding's at a near-tie, often within tens of tokens in bf16).
+        invariant_prefill: with ``exact`` on a CPU where the row-invariant kernel is
+            built, prefills attend through it too (in blocks of ``EXACT_MAX_QUERIES``
+            query rows), so that a token's K/V and logits depend only on the tokens up to
+            it, never on how the sequence was split into calls: a conversation's turn or a
+            prompt resumed from a cached prefix computes bitwise what a cold prefill of
+            the whole sequence computes. False keeps PyTorch's fused attention for
+            prefills (faster on long prompts; then two chunkings of a prompt may round
+            differently). See :attr:`chunk_invariant`.
     """
 
     def __init__(
@@ -201,6 +209,7 @@ class SublayerEngine:
         fuse_projections: bool = True,
         progress: bool | None = None,
         exact: bool = True,
+        invariant_prefill: bool = True,
     ) -> None:
         _check_supported(model)
         _check_placement(model)
@@ -264,6 +273,14 @@ class SublayerEngine:
         ]
         self._fuse_projections = fuse_projections
         self.exact = exact
+        #: Whether every forward is a function of the tokens alone, however a sequence is
+        #: split into calls (what cached prefixes and conversations rely on to be exact).
+        self.chunk_invariant: bool = (
+            exact
+            and invariant_prefill
+            and self.device.type == "cpu"
+            and kernel_available(self.dtype)
+        )
         self.invariance: InvarianceReport | None = None
         self.use_kernels(KernelTable.plain())
         table = resolve_kernel_table(self, kernels, progress=progress)
@@ -484,6 +501,28 @@ class SublayerEngine:
         out = attend_rows(query, keys, values, lengths, self.attention_scale)  # (H, q, hd)
         return out.transpose(0, 1).reshape(1, q_len, self.num_heads * self.head_dim)
 
+    def _attend_blocks(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
+    ) -> torch.Tensor:
+        """:meth:`attend_exact` over blocks of at most ``EXACT_MAX_QUERIES`` query rows, each
+        against the keys up to its last row: ``query (H, q, hd)``, ``keys/values
+        (kvH, start + q, hd)`` -> ``(1, q, H * hd)``. Rows do not depend on each other, so
+        the blocking changes no bit; it bounds the score buffer and skips the keys a
+        block's rows cannot see (causal work only)."""
+        q_len = query.shape[1]
+        if q_len <= EXACT_MAX_QUERIES:
+            return self.attend_exact(query, keys, values, start)
+        blocks = []
+        for first in range(0, q_len, EXACT_MAX_QUERIES):
+            last = min(q_len, first + EXACT_MAX_QUERIES)
+            end = start + last
+            blocks.append(
+                self.attend_exact(
+                    query[:, first:last], keys[:, :end], values[:, :end], start + first
+                )
+            )
+        return torch.cat(blocks, dim=1)
+
     def _attention_item(
         self,
         layer_index: int,
@@ -501,7 +540,9 @@ class SublayerEngine:
         end = start + q_len
         keys = cache.keys(layer_index, end).unsqueeze(0)
         values = cache.values(layer_index, end).unsqueeze(0)
-        if self.exact and (start > 0 or q_len == 1) and q_len <= EXACT_MAX_QUERIES:
+        if self.chunk_invariant:
+            attended = self._attend_blocks(query[0], keys[0], values[0], start)
+        elif self.exact and (start > 0 or q_len == 1) and q_len <= EXACT_MAX_QUERIES:
             attended = self.attend_exact(query[0], keys[0], values[0], start)
         elif start == 0 and q_len > 1:
             attended = self._attend(query, keys, values, None, is_causal=True)
