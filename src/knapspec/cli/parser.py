@@ -12,6 +12,7 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
+from knapspec.cli.chat import run_chat
 from knapspec.cli.common import PROG, load_decoder_config, positive_int
 from knapspec.cli.generate import run_generate
 from knapspec.cli.plan import run_plan, run_profile
@@ -144,6 +145,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_options(generate)
     generate.set_defaults(handler=run_generate)
+
+    chat = commands.add_parser(
+        "chat",
+        help="chat with the model; each turn reuses the KV cache of the earlier ones",
+        description="An interactive conversation: each line is a user turn, rendered with "
+        "the tokenizer's chat template; only its new tokens are prefilled (the KV cache is "
+        "kept across turns, outputs equal a fresh call on the whole conversation). The reply "
+        "streams to stdout; a line on stderr gives tokens/s, acceptance and time to first "
+        "token. Commands: /reset, /stats, /exit. Ctrl-C stops the reply and keeps the "
+        "conversation. When stdin is not a terminal, it is read as a scripted conversation, "
+        "one user turn per line.",
+    )
+    _add_model_option(chat)
+    chat.add_argument(
+        "--max-new-tokens",
+        metavar="N",
+        type=positive_int,
+        default=256,
+        help="the longest reply, in tokens. Default: %(default)s.",
+    )
+    chat.add_argument("--system", metavar="TEXT", help="a system message opening the chat")
+    _add_config_options(chat)
+    chat.set_defaults(handler=run_chat)
 
     plan = commands.add_parser(
         "plan",
