@@ -32,6 +32,8 @@ REGENERATE = "python docs/make_api.py"
 SECTIONS: dict[str, tuple[str, ...]] = {
     "Decoding": (
         "SpeculativeDecoder",
+        "Conversation",
+        "ConversationTurn",
         "GenerationResult",
         "GenerationStats",
         "PlanRecord",
@@ -87,6 +89,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "UnknownComponentError",
         "UnsupportedModelError",
         "ContextLengthError",
+        "ConversationError",
+        "ConversationBusyError",
         "NonFiniteLogitsError",
         "ProvisioningError",
         "ProfileError",
