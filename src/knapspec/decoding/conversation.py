@@ -152,6 +152,7 @@ class Conversation:
         self._proposers: list[Drafter] = []
         self._proposer_names: tuple[str, ...] = ()
         self._busy = threading.Lock()
+        self._partial: list[int] = []  # the reply an interrupted turn committed
 
     # ------------------------------------------------------------ properties
     @property
@@ -162,9 +163,10 @@ class Conversation:
     def decoder(self, other: SpeculativeDecoder) -> None:
         """Move the conversation to another decoder over the same engine (its cache is
         that engine's); another engine raises :class:`ConversationError`."""
-        self._check_engine(other)
-        self._decoder = other
-        self._proposer_names = ()  # its drafters may differ: rebuild them
+        with self._turn():
+            self._check_engine(other)
+            self._decoder = other
+            self._proposer_names = ()  # its drafters may differ: rebuild them
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -233,9 +235,8 @@ class Conversation:
                 )
             except KeyboardInterrupt:
                 # The tokens committed before the interrupt stay as the reply.
-                committed = self._tokens[len(ids) :] if self._tokens.numel() > len(ids) else None
-                if committed is not None:
-                    reply = str(tokenizer.decode(committed.tolist(), skip_special_tokens=True))
+                if self._partial:
+                    reply = str(tokenizer.decode(self._partial, skip_special_tokens=True))
                     self.messages = [*messages, {"role": "assistant", "content": reply}]
                 raise
             reply = str(tokenizer.decode(turn.result.tokens.tolist(), skip_special_tokens=True))
@@ -320,6 +321,7 @@ class Conversation:
         logits_processor: LogitsProcessor | None,
     ) -> ConversationTurn:
         decoder = self._decoder
+        self._partial = []
         self._check_engine(decoder)
         engine = decoder.engine
         prompt = single_prompt(input_ids, engine)
@@ -358,6 +360,7 @@ class Conversation:
                 result = run.execute()
             except KeyboardInterrupt:
                 self._keep(prompt, run.output, interrupted=True)
+                self._partial = list(run.output)
                 raise
             except BaseException:
                 # The turn never happened; the K/V before its prefill stay valid.
