@@ -24,6 +24,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 @pytest.fixture(autouse=True)
 def _one_thread(request: pytest.FixtureRequest) -> None:
-    # Tiny models run fastest on one thread (two threads contend on a 2-core CI machine);
-    # real-model tests use two, as the benchmarks do.
-    torch.set_num_threads(2 if request.node.get_closest_marker("real_model") else 1)
+    # Tiny models run fastest on one thread (two threads contend on a 2-core CI machine).
+    # Real-model tests use two, as the benchmarks do, unless pytest-xdist runs other
+    # workers beside them: two OpenMP threads sharing their cores with another worker spin
+    # and wait for each other (a 50-second test took 540 s that way).
+    parallel = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1
+    real = request.node.get_closest_marker("real_model") is not None
+    torch.set_num_threads(2 if real and not parallel else 1)
