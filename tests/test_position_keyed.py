@@ -3,9 +3,10 @@
 The oracle is plain sampling: the autoregressive planner (γ = 0 every round) with the same
 seed. Random draft plans (forced γ, drafter and mask per round), every registered planner
 with drafting forced on, batch rows and repeated calls must all give its tokens, token for
-token. Exactness needs each verification row's logits to round like a one-token step's;
-in float32 on these tiny models a near-tie that flips ``argmax(s + G)`` is a ~1e-7 event
-per token, so these tests are not flaky (a mismatch would be worth investigating).
+token, in float32 and in bfloat16. Exactness needs each verification row's logits to round
+like a one-token step's; the engine's exactness contract makes them bitwise equal (see
+``test_exactness.py``), so a near-tie of ``argmax(s + G)`` cannot flip between the two, and
+a mismatch here is a bug, never bad luck.
 """
 
 from __future__ import annotations
@@ -41,10 +42,16 @@ SAMPLED = SamplingParams(do_sample=True, temperature=0.7, seed=11)
 PROMPTS = [[5, 1, 2, 7, 5, 1, 2, 7, 5, 1, 2], [1, 2, 3, 1, 2, 3, 4, 6, 1, 2]]
 
 
-@pytest.fixture(scope="module")
-def model() -> torch.nn.Module:
+#: Every test runs in float32 and in bfloat16: the exactness contract makes the engine's
+#: verification rows round like one-token steps in both, so a seed's tokens are the same.
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module", params=DTYPES, ids=["float32", "bfloat16"])
+def model(request: pytest.FixtureRequest) -> torch.nn.Module:
     # Damped deep layers: layer-skipping drafts are often, not always, the target's token.
-    return tiny_llama(LAYERS, vocab_size=VOCAB, hidden_size=64, layer_damping=0.3, head_scale=3.0)
+    tiny = tiny_llama(LAYERS, vocab_size=VOCAB, hidden_size=64, layer_damping=0.3, head_scale=3.0)
+    return tiny.to(request.param)
 
 
 def plain_sampling(
@@ -163,11 +170,12 @@ def test_a_logits_processor_keeps_the_plain_sampling_tokens(model: torch.nn.Modu
 
 
 # ------------------------------------------------------------------ every planner
-@pytest.fixture(scope="module")
-def forced_model() -> torch.nn.Module:
+@pytest.fixture(scope="module", params=DTYPES, ids=["float32", "bfloat16"])
+def forced_model(request: pytest.FixtureRequest) -> torch.nn.Module:
     from test_lossless_drafting import PROMPTS as _  # noqa: F401  (same module, same model)
 
-    return tiny_llama(10, vocab_size=97, hidden_size=64, layer_damping=0.3, head_scale=8.0)
+    tiny = tiny_llama(10, vocab_size=97, hidden_size=64, layer_damping=0.3, head_scale=8.0)
+    return tiny.to(request.param)
 
 
 @pytest.mark.parametrize("planner_name", sorted(PLANNERS.names()))
