@@ -5,12 +5,14 @@ measurements, each warm/cold pair in one process, alternating which runs first:
 
 * ``turn2``: turn 2 of a conversation whose turn 1 is a ~``--context``-token passage to
   summarise. Warm: ``conversation.send`` (the cache holds turn 1). Cold: ``generate`` on the
-  whole conversation. Time to first token (``stats.prefill_time_s``), turn time, equality.
+  whole conversation with the default (fused-attention) prefill, what a call without a
+  conversation costs. Time to first token (``stats.prefill_time_s``), turn time, equality.
 * ``shared_prefix``: two prompts that share the passage, different questions after it.
-  Warm: a decoder with a prefix cache that has seen the first. Cold: one without.
-* ``prefill_cost``: one cold prefill of the passage with the chunk-invariant attention (the
-  default) and one with PyTorch's fused attention (what ``invariant_prefill=False`` runs),
-  on the same engine: what exactness across chunkings costs.
+  Warm: a decoder with a prefix cache that has seen the first. Cold: one without (fused
+  prefill, as above).
+* ``prefill_cost``: one cold prefill of the passage with the chunk-invariant attention
+  (what conversations and prefix caches run) and one with PyTorch's fused attention (the
+  default for other calls), on the same engine: what exactness across chunkings costs.
 * ``rss``: resident memory after each of ``--rss-turns`` short turns of one conversation,
   then after as many distinct prompts through a decoder with a ``--budget-mib`` prefix cache.
 
@@ -23,10 +25,12 @@ A 1-pair smoke run: ``--context 300 --new-tokens 8 --pairs 1 --rss-turns 3``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +60,18 @@ def rss_mib() -> float:
 def template_ids(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@contextlib.contextmanager
+def fused_prefill(engine: Any) -> Iterator[None]:
+    """The default prefill (PyTorch's fused attention) for a cold call on an engine that a
+    conversation or prefix cache made chunk-invariant (the baseline a user without them
+    gets)."""
+    engine.chunk_invariant = False
+    try:
+        yield
+    finally:
+        engine.chunk_invariant = True
 
 
 def main() -> None:
@@ -102,9 +118,10 @@ def main() -> None:
             if kind == "warm":
                 runs[kind] = conversation.send(FOLLOW_UP, max_new_tokens=args.new_tokens).result
             else:
-                runs[kind] = decoder.generate(
-                    prompt, max_new_tokens=args.new_tokens, eos_token_id=eos
-                )
+                with fused_prefill(decoder.engine):
+                    runs[kind] = decoder.generate(
+                        prompt, max_new_tokens=args.new_tokens, eos_token_id=eos
+                    )
         warm, cold = runs["warm"].stats, runs["cold"].stats
         record(
             "turn2",
@@ -130,8 +147,11 @@ def main() -> None:
         cached.generate(prompts[0], max_new_tokens=8, eos_token_id=eos)  # seen once, untimed
         results: dict[str, Any] = {}
         for kind in ("warm", "cold") if pair % 2 == 0 else ("cold", "warm"):
-            runner = cached if kind == "warm" else decoder
-            results[kind] = runner.generate(prompts[1], max_new_tokens=8, eos_token_id=eos)
+            if kind == "warm":
+                results[kind] = cached.generate(prompts[1], max_new_tokens=8, eos_token_id=eos)
+            else:
+                with fused_prefill(decoder.engine):
+                    results[kind] = decoder.generate(prompts[1], max_new_tokens=8, eos_token_id=eos)
         record(
             "shared_prefix",
             pair=pair,

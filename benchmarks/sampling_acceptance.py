@@ -81,9 +81,12 @@ def main() -> None:
                 }
                 checked = args.reference_seeds is None or seed < args.reference_seeds
                 if scheme == "position-keyed" and checked:
-                    reference = plain.generate(
+                    plain_result = plain.generate(
                         prompt, max_new_tokens=args.new_tokens, sampling=params
-                    ).tokens
+                    )
+                    reference = plain_result.tokens
+                    # Plain sampling of the same seed, right after: the speed-up's baseline.
+                    row["plain_wall_time"] = plain_result.stats.wall_time_s
                     same = result.tokens.tolist() == reference.tolist()
                     row["equals_plain_sampling"] = same
                     if not same:

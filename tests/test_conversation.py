@@ -84,7 +84,9 @@ def _engine(family: str, dtype: torch.dtype) -> SublayerEngine:
     key = (family, dtype)
     if key not in _ENGINES:
         model = tiny_model(family)
-        _ENGINES[key] = SublayerEngine(model if dtype == torch.float32 else _copy(model, dtype))
+        _ENGINES[key] = SublayerEngine(
+            model if dtype == torch.float32 else _copy(model, dtype), invariant_prefill=True
+        )
     return _ENGINES[key]
 
 
@@ -558,3 +560,21 @@ def test_the_prefix_cache_is_off_by_default_and_on_inexact_engines() -> None:
     assert decoder.prefix_cache is None
     with pytest.raises(ValueError, match="prefix_cache_mib"):
         SpeculativeDecoder(tiny_model("llama"), {"prefix_cache_mib": -1})
+
+
+def test_prefills_are_fused_until_a_conversation_or_a_prefix_cache_asks() -> None:
+    """A plain ``generate`` keeps PyTorch's faster fused prefill; a conversation or a prefix
+    cache makes the engine's prefills chunk-invariant from then on, unless the engine was
+    built with ``invariant_prefill=False``."""
+    engine = SublayerEngine(tiny_model("llama"))
+    decoder = SpeculativeDecoder(engine)
+    decoder.generate(torch.tensor([3, 5, 7, 9]), max_new_tokens=2)
+    assert not engine.chunk_invariant
+    decoder.conversation()
+    assert engine.chunk_invariant
+    cached = SublayerEngine(tiny_model("qwen3"))
+    assert SpeculativeDecoder(cached, {"prefix_cache_mib": 8}).prefix_cache is not None
+    assert cached.chunk_invariant
+    never = SublayerEngine(tiny_model("llama"), invariant_prefill=False)
+    SpeculativeDecoder(never).conversation()
+    assert not never.chunk_invariant

@@ -11,10 +11,11 @@ a reply that tokenizes differently once decoded to text) the prefix is shorter a
 tail is prefilled again; :attr:`ConversationTurn.dropped_tokens` says how many cached
 tokens that discarded.
 
-On an exact engine (:attr:`~knapspec.model.engine.SublayerEngine.chunk_invariant`) a
-token's K/V and logits depend only on the tokens up to it, however the sequence was split
-into calls, so each turn's greedy output equals a cold ``generate`` on the whole
-conversation, token for token.
+A conversation makes its engine's prefills chunk-invariant
+(:meth:`~knapspec.model.engine.SublayerEngine.enable_chunk_invariance`): a token's K/V and
+logits then depend only on the tokens up to it, however the sequence was split into calls,
+so each turn's greedy output equals a cold ``generate`` on the whole conversation (by the
+same decoder), token for token.
 
 Misuse raises and loses nothing: a conversation in use by another thread raises
 :class:`ConversationBusyError`; a decoder over another engine raises
@@ -138,6 +139,9 @@ class Conversation:
     ) -> None:
         self._decoder = decoder
         self._engine = decoder.engine
+        # Turns prefill only their new tokens: chunk-invariant prefills make that bitwise a
+        # cold prefill of the whole conversation (on this engine, from now on).
+        self._engine.enable_chunk_invariance()
         self.tokenizer = tokenizer
         self.messages: list[Message] = []
         if system is not None:

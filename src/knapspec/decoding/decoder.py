@@ -162,10 +162,12 @@ class SpeculativeDecoder:
             proposers=self.planner.proposal_drafters(),
         )
         #: The prompt-prefix cache (``config.prefix_cache_mib``; None when off, or when
-        #: the engine is not chunk-invariant and reuse could change the output).
+        #: the engine cannot be chunk-invariant and reuse could change the output). With
+        #: it, every prefill of this engine is chunk-invariant: a cold one and one resumed
+        #: from a cached prefix then compute the same bits.
         self.prefix_cache: PrefixCache | None = (
             PrefixCache(self.config.prefix_cache_mib)
-            if self.config.prefix_cache_mib > 0 and self.engine.chunk_invariant
+            if self.config.prefix_cache_mib > 0 and self.engine.enable_chunk_invariance()
             else None
         )
         # generate() uses the cache and window above: one call at a time.

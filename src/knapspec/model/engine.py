@@ -190,14 +190,18 @@ class SublayerEngine:
             (:mod:`knapspec.model.invariance`). False runs the fastest kernels measured,
             which round differently for different row counts (greedy output may then
             leave plain decoding's at a near-tie, often within tens of tokens in bf16).
-        invariant_prefill: with ``exact`` on a CPU where the row-invariant kernel is
-            built, prefills attend through it too (in blocks of ``EXACT_MAX_QUERIES``
-            query rows), so that a token's K/V and logits depend only on the tokens up to
-            it, never on how the sequence was split into calls: a conversation's turn or a
-            prompt resumed from a cached prefix computes bitwise what a cold prefill of
-            the whole sequence computes. False keeps PyTorch's fused attention for
-            prefills (faster on long prompts; then two chunkings of a prompt may round
-            differently). See :attr:`chunk_invariant`.
+        invariant_prefill: whether prefills attend through the row-invariant kernel too
+            (in blocks of ``EXACT_MAX_QUERIES`` query rows, with ``exact``, on a CPU where
+            the kernel is built), so that a token's K/V and logits depend only on the
+            tokens up to it, never on how the sequence was split into calls: what a
+            conversation's turns and a prompt resumed from a cached prefix need to equal a
+            cold prefill bitwise. It costs prefill speed (the kernel reaches about half of
+            PyTorch's fused attention on long causal blocks: 1.2x / 1.6x the prefill time
+            at 512 / 2,048 tokens on a 2-core AMD EPYC). ``None`` (the default): off until
+            a conversation or a prefix cache asks for it (:meth:`enable_chunk_invariance`);
+            True: always; False: never (then cached prefixes are not used and a
+            conversation's turns may differ from cold calls at a near-tie). See
+            :attr:`chunk_invariant`.
     """
 
     def __init__(
@@ -209,7 +213,7 @@ class SublayerEngine:
         fuse_projections: bool = True,
         progress: bool | None = None,
         exact: bool = True,
-        invariant_prefill: bool = True,
+        invariant_prefill: bool | None = None,
     ) -> None:
         _check_supported(model)
         _check_placement(model)
@@ -273,14 +277,12 @@ class SublayerEngine:
         ]
         self._fuse_projections = fuse_projections
         self.exact = exact
+        self._invariant_prefill = invariant_prefill
         #: Whether every forward is a function of the tokens alone, however a sequence is
         #: split into calls (what cached prefixes and conversations rely on to be exact).
-        self.chunk_invariant: bool = (
-            exact
-            and invariant_prefill
-            and self.device.type == "cpu"
-            and kernel_available(self.dtype)
-        )
+        self.chunk_invariant: bool = False
+        if invariant_prefill:
+            self.enable_chunk_invariance()
         self.invariance: InvarianceReport | None = None
         self.use_kernels(KernelTable.plain())
         table = resolve_kernel_table(self, kernels, progress=progress)
@@ -288,6 +290,20 @@ class SublayerEngine:
             self.invariance = row_invariant_table(self, table)
             table = self.invariance.table
         self.use_kernels(table)
+
+    def enable_chunk_invariance(self) -> bool:
+        """Make every later prefill chunk-invariant (:attr:`chunk_invariant`), unless the
+        engine was built with ``invariant_prefill=False`` or cannot be (not ``exact``, not
+        on a CPU, no compiled row-invariant kernel for its dtype).
+
+        Returns:
+            whether prefills are now chunk-invariant.
+        """
+        if self._invariant_prefill is not False:
+            self.chunk_invariant = (
+                self.exact and self.device.type == "cpu" and kernel_available(self.dtype)
+            )
+        return self.chunk_invariant
 
     # ---------------------------------------------------------------- kernels
     def use_kernels(self, table: KernelTable) -> None:
