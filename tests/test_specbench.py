@@ -409,3 +409,38 @@ def test_real_model_one_question_per_category(tmp_path: Path) -> None:
             assert row.questions == len(CATEGORIES)
             assert row.equal_ar is not None and row.equal_ar.all_equal, row.method
             assert row.equal_generate is not None and row.equal_generate.all_equal, row.method
+
+
+def test_reused_turns_prefill_only_the_new_tokens_and_answer_the_same(
+    tiny: tuple[Any, Any], question_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``reuse_turns``: MT-bench's turn 2 resumes turn 1's cache (a prefill that starts past
+    0 and is wider than any verification), and every answer is the cold run's."""
+    from knapspec.model.engine import SublayerEngine
+
+    model, tokenizer = tiny
+    calls: list[tuple[int, int]] = []
+    forward = SublayerEngine.forward
+
+    def recording(self: SublayerEngine, token_ids: Any, start: int, *args: Any, **kw: Any) -> Any:
+        calls.append((start, int(token_ids.numel())))
+        return forward(self, token_ids, start, *args, **kw)
+
+    monkeypatch.setattr(SublayerEngine, "forward", recording)
+    widest_verify = BASE.max_draft_length + 1
+    answers = {}
+    for reuse in (False, True):
+        calls.clear()
+        out = tmp_path / f"reuse-{reuse}"
+        run_spec_bench(
+            model, tokenizer, _options(out, question_file, ["ar", "knapspec"], reuse_turns=reuse)
+        )
+        resumed = [(s, n) for s, n in calls if s > 0 and n > widest_verify]
+        assert bool(resumed) == reuse, resumed
+        answers[reuse] = {m: read_answers(answer_path(out, m)) for m in ("ar", "knapspec")}
+        assert json.loads((out / "run.json").read_text())["settings"]["reuse_turns"] == reuse
+    for method in ("ar", "knapspec"):
+        cold, warm = answers[False][method], answers[True][method]
+        assert [t.output_ids for a in cold for t in a.turns] == [
+            t.output_ids for a in warm for t in a.turns
+        ]

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
 from knapspec.bench.methods import SupportsGenerate
+
+if TYPE_CHECKING:
+    from knapspec.decoding.conversation import Conversation
 
 
 @attrs.frozen
@@ -109,6 +112,27 @@ def commits_after_prefill(starts: Sequence[int], final_length: int) -> list[int]
     return [ends[i] - ends[i - 1] for i in range(1, len(ends))]
 
 
+def conversation_call(
+    conversation: Conversation,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    eos: Sequence[int] | None,
+) -> CallResult:
+    """One greedy turn of a conversation: ``input_ids`` ``(n,)`` is the whole conversation
+    so far; the part the conversation's cache already holds is not prefilled again."""
+    result = conversation.generate(
+        input_ids, max_new_tokens=max_new_tokens, eos_token_id=eos
+    ).result
+    stats = result.stats
+    return CallResult(
+        output_ids=tuple(int(t) for t in result.tokens.cpu().tolist()),
+        wall_time=stats.wall_time_s,
+        prefill_time=stats.prefill_time_s,
+        decoding_steps=stats.decoding_steps,
+        accept_lengths=tuple(stats.accept_lengths),
+    )
+
+
 @torch.inference_mode()
 def generate_call(
     model: Any,
@@ -143,4 +167,10 @@ def generate_call(
     )
 
 
-__all__ = ["CallResult", "commits_after_prefill", "engine_call", "generate_call"]
+__all__ = [
+    "CallResult",
+    "commits_after_prefill",
+    "conversation_call",
+    "engine_call",
+    "generate_call",
+]

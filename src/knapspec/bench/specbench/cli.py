@@ -125,6 +125,13 @@ def run_parser() -> argparse.ArgumentParser:
         "(the report marks it NOT EQUAL) instead of stopping: for bfloat16, where a batched "
         "verify step may round a near tie another way",
     )
+    parser.add_argument(
+        "--reuse-turns",
+        action="store_true",
+        help="our decoders answer a question's later turns (MT-bench's second) in one "
+        "conversation, keeping the earlier turns' KV cache, instead of prefilling the "
+        "whole conversation again (model.generate and prompt lookup still prefill it)",
+    )
     parser.add_argument("--no-report", action="store_true", help="write the answers only")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--list", action="store_true", help="list the methods, exit")
@@ -175,6 +182,7 @@ def _run(argv: list[str]) -> int:
         question_file=str(path),
         question_order=tuple(q.key for q in every),
         stop_on_mismatch=not args.no_stop_on_mismatch,
+        reuse_turns=args.reuse_turns,
     )
     import torch
 

@@ -274,7 +274,13 @@ def _environment_lines(info: dict[str, Any]) -> list[str]:
         f"{', '.join(env.get('bf16_flags', [])) or 'none'} (vector flags: "
         f"{', '.join(env.get('cpu_flags', [])) or '?'}); threads: {info.get('threads', '?')}",
         f"- model {settings.get('model', '?')}, dtype {settings.get('dtype', '?')}, greedy, "
-        f"batch 1, at most {settings.get('max_new_tokens', '?')} new tokens per turn",
+        f"batch 1, at most {settings.get('max_new_tokens', '?')} new tokens per turn; "
+        + (
+            "our decoders answered later turns in one conversation, keeping the KV cache "
+            "(--reuse-turns)"
+            if settings.get("reuse_turns")
+            else "every turn prefilled the whole conversation"
+        ),
         f"- torch {env.get('torch', '?')}, transformers {env.get('transformers', '?')}, "
         f"knapspec commit `{env.get('commit', '?')}`, status: {info.get('status', '?')}",
         f"- questions: `{info.get('question_file') or 'not recorded'}`",

@@ -43,9 +43,16 @@ from knapspec.bench.specbench.answers import (
     read_answers,
     reorg_answer_file,
 )
-from knapspec.bench.specbench.calls import CallResult, engine_call, generate_call
+from knapspec.bench.specbench.calls import (
+    CallResult,
+    conversation_call,
+    engine_call,
+    generate_call,
+)
 from knapspec.bench.specbench.questions import Question
 from knapspec.config import DecoderConfig
+from knapspec.decoding.conversation import Conversation
+from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.model.engine import SublayerEngine
 from knapspec.model.machine import host_cpu_flags
 
@@ -84,6 +91,9 @@ class SpecBenchOptions:
         stop_on_mismatch: raise when one of our decoders answers differently from plain
             decoding (the default); off, the answer is written and the report marks it
             (for bfloat16, where a batched verify step may round a near tie otherwise).
+        reuse_turns: our decoders answer a multi-turn question in one
+            :class:`~knapspec.decoding.conversation.Conversation` each, so turn 2
+            prefills only its new tokens; single-turn questions are unaffected.
     """
 
     questions: tuple[Question, ...] = attrs.field(converter=_tuple)
@@ -98,6 +108,7 @@ class SpecBenchOptions:
     question_file: str = ""
     question_order: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
     stop_on_mismatch: bool = True
+    reuse_turns: bool = False
 
     def __attrs_post_init__(self) -> None:
         names = [method.name for method in self.methods]
@@ -160,6 +171,7 @@ class SpecBenchRun:
             "model": self.model_name,
             "dtype": self.env["dtype"],
             "max_new_tokens": self.options.max_new_tokens,
+            "reuse_turns": self.options.reuse_turns,
         }
 
     def _check_resumable(self) -> None:
@@ -217,9 +229,17 @@ class SpecBenchRun:
         path.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
 
     # ------------------------------------------------------------------ calls
-    def _call(self, method: MethodSpec, ids: torch.Tensor, new_tokens: int) -> CallResult:
+    def _call(
+        self,
+        method: MethodSpec,
+        ids: torch.Tensor,
+        new_tokens: int,
+        conversation: Conversation | None = None,
+    ) -> CallResult:
         if method.kind == "generate":
             return generate_call(self.model, ids, new_tokens, method.generate_kwargs)
+        if conversation is not None:
+            return conversation_call(conversation, ids, new_tokens, self.eos)
         return engine_call(self.decoders[method.name], ids, new_tokens, self.eos)
 
     def _turn(self, result: CallResult, prompt_tokens: int) -> Turn:
@@ -306,18 +326,28 @@ class SpecBenchRun:
         """Every turn of ``question`` for every method in ``order``, interleaved by turn."""
         conversations: dict[str, list[dict[str, str]]] = {m.name: [] for m in order}
         turns: dict[str, list[Turn]] = {m.name: [] for m in order}
-        for number, text in enumerate(question.turns):
-            for method in order:
-                bar.set_description(
-                    f"{question.category} {question.key} turn {number + 1} {method.name}"
-                )
-                messages = conversations[method.name]
-                messages.append({"role": "user", "content": text})
-                ids = chat_ids(self.tokenizer, messages)
-                turn = self._turn(self._call(method, ids, self.options.max_new_tokens), len(ids))
-                messages.append({"role": "assistant", "content": turn.text})
-                turns[method.name].append(turn)
-                bar.update(1)
+        kept = self._kept_caches(question, order)
+        try:
+            for number, text in enumerate(question.turns):
+                for method in order:
+                    bar.set_description(
+                        f"{question.category} {question.key} turn {number + 1} {method.name}"
+                    )
+                    messages = conversations[method.name]
+                    messages.append({"role": "user", "content": text})
+                    ids = chat_ids(self.tokenizer, messages)
+                    call = self._call(
+                        method, ids, self.options.max_new_tokens, kept.get(method.name)
+                    )
+                    turn = self._turn(call, len(ids))
+                    messages.append({"role": "assistant", "content": turn.text})
+                    turns[method.name].append(turn)
+                    bar.update(1)
+        finally:
+            if kept:
+                # Single-turn questions keep the default fused prefill: a conversation made
+                # the shared engine's prefills chunk-invariant (slower on long prompts).
+                self.engine.chunk_invariant = False
         return {
             method.name: Answer(
                 question_id=question.question_id,
@@ -327,6 +357,19 @@ class SpecBenchRun:
                 turns=turns[method.name],
             )
             for method in order
+        }
+
+    def _kept_caches(
+        self, question: Question, order: Sequence[MethodSpec]
+    ) -> dict[str, Conversation]:
+        """With ``reuse_turns``, one conversation per engine method for a multi-turn
+        question (each turn then prefills only what is new); otherwise none."""
+        if not self.options.reuse_turns or len(question.turns) < 2:
+            return {}
+        return {
+            method.name: Conversation(decoder)
+            for method in order
+            if isinstance(decoder := self.decoders.get(method.name), SpeculativeDecoder)
         }
 
     def _check(
