@@ -10,7 +10,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from tests.test_batch import REPEATING, _assert_rows_equal_alone, checked_rounds
 from tests.test_sampling import (
@@ -303,6 +303,10 @@ def test_a_row_at_the_context_limit_caps_the_shared_draft_steps() -> None:
     per_token=st.floats(0.0, 0.6),
     attention=st.floats(0.0, 0.5),
 )
+# Found by CI's hypothesis run: the largest increments first spread 3 tokens over two rows
+# (padded attention) where one row drafting all 3 attends row by row and costs less.
+@example(rates=[[], [1.0], [1.0, 1.0, 1.0]], per_token=0.0, attention=0.5)
+@example(rates=[[], [1.0], [0.999, 0.999, 0.999]], per_token=0.0, attention=0.5)
 def test_per_row_lookup_lengths_match_a_brute_force_over_every_allocation(
     rates: list[list[float]], per_token: float, attention: float
 ) -> None:

@@ -197,6 +197,19 @@ class FixedSubnetworkBatchPolicy(_FixedLengthPolicy):
         return RoundPlan(lengths, tuple(length > 0 for length in lengths))
 
 
+#: Rows tried as the one drafting the cap in the lookup search (those of the largest gain
+#: at the cap): every row in batches up to this size.
+ANCHOR_ROWS = 8
+
+
+def _gammas(count: int, taken: Sequence[tuple[float, int]]) -> list[int]:
+    """Per row, how many of the ``taken`` (increment, row) pairs are its."""
+    gammas = [0] * count
+    for _, row in taken:
+        gammas[row] += 1
+    return gammas
+
+
 class CostModelBatchPolicy(BatchDraftPolicy):
     """The batch-level TPT search over every row's draft length (module docstring).
 
@@ -378,6 +391,38 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         gammas = [0] * count
         for _, row in increments[:best_m]:
             gammas[row] += 1
+        # The largest increments first can spread tokens over rows where one row drafting
+        # all ``cap`` is cheaper (a pass whose padding would double its tokens attends row
+        # by row, priced at each row's own width). For each row as the anchor at ``cap``,
+        # add the others' largest increments: with attention linear in the width, a
+        # round's price depends only on the token count and the widest row, so these
+        # candidates hold the most tokens for every (count, widest = cap) pair.
+        prefix = [
+            float(gain[cap] - gain[0]) if length >= cap else -1.0
+            for gain, length in zip(gains, lengths, strict=True)
+        ]
+        anchors = sorted(range(count), key=lambda row: -prefix[row])[:ANCHOR_ROWS]
+        for anchor in anchors:
+            if prefix[anchor] < 0.0:
+                break
+            tokens = count + prefix[anchor]
+            attended = count * prices.attention(1) + (
+                prices.attention(cap + 1) - prices.attention(1)
+            )
+            taken = [(0.0, anchor)] * cap
+            tpt = tokens / prices.round(count + cap, 1 + cap, 0, attended)
+            if tpt > best_tpt:
+                best_tpt, gammas = tpt, _gammas(count, taken)
+            others = [item for item in increments if item[1] != anchor]
+            counts = [0] * count
+            for increment, row in others:
+                tokens += increment
+                attended += prices.attention(counts[row] + 2) - prices.attention(counts[row] + 1)
+                counts[row] += 1
+                taken.append((increment, row))
+                tpt = tokens / prices.round(count + len(taken), 1 + cap, 0, attended)
+                if tpt > best_tpt:
+                    best_tpt, gammas = tpt, _gammas(count, taken)
         return best_tpt, gammas
 
     def _subnetwork_option(
