@@ -51,7 +51,13 @@ def engine_call(
     eos: Sequence[int] | None,
 ) -> CallResult:
     """One greedy call of one of our decoders (``input_ids``: ``(n,)``)."""
-    result = decoder.generate(input_ids, max_new_tokens=max_new_tokens, eos_token_id=eos)
+    return _call_result(
+        decoder.generate(input_ids, max_new_tokens=max_new_tokens, eos_token_id=eos)
+    )
+
+
+def _call_result(result: Any) -> CallResult:
+    """A :class:`CallResult` from one of our ``GenerationResult`` s."""
     stats = result.stats
     return CallResult(
         output_ids=tuple(int(t) for t in result.tokens.cpu().tolist()),
@@ -120,17 +126,8 @@ def conversation_call(
 ) -> CallResult:
     """One greedy turn of a conversation: ``input_ids`` ``(n,)`` is the whole conversation
     so far; the part the conversation's cache already holds is not prefilled again."""
-    result = conversation.generate(
-        input_ids, max_new_tokens=max_new_tokens, eos_token_id=eos
-    ).result
-    stats = result.stats
-    return CallResult(
-        output_ids=tuple(int(t) for t in result.tokens.cpu().tolist()),
-        wall_time=stats.wall_time_s,
-        prefill_time=stats.prefill_time_s,
-        decoding_steps=stats.decoding_steps,
-        accept_lengths=tuple(stats.accept_lengths),
-    )
+    turn = conversation.generate(input_ids, max_new_tokens=max_new_tokens, eos_token_id=eos)
+    return _call_result(turn.result)
 
 
 @torch.inference_mode()
