@@ -35,8 +35,7 @@ import attrs
 import torch
 
 from knapspec.decoding.arguments import new_token_limit, sampling_params, single_prompt, stop_set
-from knapspec.decoding.run import GenerationResult, LogitsProcessor, Run
-from knapspec.decoding.sampler import TokenSampler, resolve_seed
+from knapspec.decoding.run import GenerationResult, LogitsProcessor, decoder_run
 from knapspec.window import WindowBuffer
 
 if TYPE_CHECKING:
@@ -339,23 +338,16 @@ class Conversation:
         with decoder.lock:
             proposers = self._proposers_for(decoder)
             indexed = self._indexed if shared >= self._indexed else 0
-            run = Run(
-                engine,
+            run = decoder_run(
+                decoder,
                 self._cache,
                 self._window,
-                decoder.planner,
-                decoder.drafters,
-                cost_model=decoder.cost_model,
-                proxy=decoder.proxy,
-                max_draft_length=decoder.max_draft_length,
-                confidence_threshold=decoder.confidence_threshold,
-                prompt=prompt,
-                max_new_tokens=limit,
-                stop_ids=stop_ids,
-                params=params,
-                sampler=TokenSampler(params, resolve_seed(params), engine.device),
-                streamer=streamer,
-                logits_processor=logits_processor,
+                prompt,
+                limit,
+                stop_ids,
+                params,
+                streamer,
+                logits_processor,
                 reused_tokens=reused,
                 proposers=proposers,
                 indexed_tokens=indexed,

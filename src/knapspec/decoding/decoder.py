@@ -57,8 +57,7 @@ from knapspec.decoding.batch_policy import (
 )
 from knapspec.decoding.conversation import Conversation
 from knapspec.decoding.prefix_cache import PrefixCache
-from knapspec.decoding.run import GenerationResult, LogitsProcessor, Run
-from knapspec.decoding.sampler import TokenSampler, resolve_seed
+from knapspec.decoding.run import GenerationResult, LogitsProcessor, decoder_run
 from knapspec.drafters.base import Drafter
 from knapspec.model.engine import ContextLengthError, SublayerEngine
 from knapspec.planners.base import Planner, PlanningContext
@@ -456,27 +455,19 @@ class SpeculativeDecoder:
         streamer: BaseStreamer | None,
         logits_processor: LogitsProcessor | None,
     ) -> GenerationResult:
-        # Unseeded: a fresh seed from torch's global RNG (torch.manual_seed repeats it).
-        sampler = TokenSampler(params, resolve_seed(params), self.engine.device)
         prefixes = self.prefix_cache
         reused = prefixes.restore(prompt, self._cache) if prefixes is not None else 0
-        run = Run(
-            self.engine,
+        # Unseeded: a fresh seed from torch's global RNG (torch.manual_seed repeats it).
+        run = decoder_run(
+            self,
             self._cache,
             self._window,
-            self.planner,
-            self.drafters,
-            cost_model=self.cost_model,
-            proxy=self.proxy,
-            max_draft_length=self.max_draft_length,
-            confidence_threshold=self.confidence_threshold,
-            prompt=prompt,
-            max_new_tokens=max_new_tokens,
-            stop_ids=stop_ids,
-            params=params,
-            sampler=sampler,
-            streamer=streamer,
-            logits_processor=logits_processor,
+            prompt,
+            max_new_tokens,
+            stop_ids,
+            params,
+            streamer,
+            logits_processor,
             reused_tokens=reused,
         )
         result = run.execute()
