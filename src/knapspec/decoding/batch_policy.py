@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from knapspec.costmodels.base import CostModel
+from knapspec.decoding.batch_allocation import best_lookup_allocation
 from knapspec.decoding.batch_plan import BatchSubnetwork, RoundPlan, SubnetworkAcceptance
 from knapspec.decoding.batch_pricing import (
     BatchPassCalibration,
@@ -197,19 +198,6 @@ class FixedSubnetworkBatchPolicy(_FixedLengthPolicy):
         return RoundPlan(lengths, tuple(length > 0 for length in lengths))
 
 
-#: Rows tried as the one drafting the cap in the lookup search (those of the largest gain
-#: at the cap): every row in batches up to this size.
-ANCHOR_ROWS = 8
-
-
-def _gammas(count: int, taken: Sequence[tuple[float, int]]) -> list[int]:
-    """Per row, how many of the ``taken`` (increment, row) pairs are its."""
-    gammas = [0] * count
-    for _, row in taken:
-        gammas[row] += 1
-    return gammas
-
-
 class CostModelBatchPolicy(BatchDraftPolicy):
     """The batch-level TPT search over every row's draft length (module docstring).
 
@@ -343,7 +331,7 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         best_tpt, best_plan = plain, nothing
         best_of = {"plain": plain}
         for cap in range(1, longest + 1):
-            tpt, gammas = self._best_lookup(gains, lookup_lengths, cap, prices)
+            tpt, gammas = best_lookup_allocation(gains, lookup_lengths, cap, prices)
             if tpt > best_of.get("proposals", 0.0):
                 best_of["proposals"] = tpt
             if tpt > best_tpt:
@@ -360,70 +348,6 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         if best_tpt < (1.0 + self.margin) * plain:
             return nothing
         return best_plan
-
-    @staticmethod
-    def _best_lookup(
-        gains: Sequence[FloatArray], lengths: Sequence[int], cap: int, prices: RoundPrices
-    ) -> tuple[float, list[int]]:
-        """The best lookup allocation with every γ_r <= ``cap``: its tokens per second and
-        the γ_r (all 0 when no extra token pays)."""
-        count = len(gains)
-        increments = sorted(
-            (
-                (float(gain[k] - gain[k - 1]), row)
-                for row, (gain, length) in enumerate(zip(gains, lengths, strict=True))
-                for k in range(1, min(cap, length) + 1)
-            ),
-            key=lambda item: -item[0],  # stable: a row's increments stay in order
-        )
-        counts = [0] * count
-        tokens, widest = float(count), 0
-        best_tpt, best_m = tokens / prices.round(count, 1, 0), 0
-        attended = count * prices.attention(1)  # Σ_r attention(1 + γ_r), as γ grows
-        for m, (increment, row) in enumerate(increments, start=1):
-            tokens += increment
-            attended += prices.attention(counts[row] + 2) - prices.attention(counts[row] + 1)
-            counts[row] += 1
-            widest = max(widest, counts[row])
-            tpt = tokens / prices.round(count + m, 1 + widest, 0, attended)
-            if tpt > best_tpt:
-                best_tpt, best_m = tpt, m
-        gammas = [0] * count
-        for _, row in increments[:best_m]:
-            gammas[row] += 1
-        # The largest increments first can spread tokens over rows where one row drafting
-        # all ``cap`` is cheaper (a pass whose padding would double its tokens attends row
-        # by row, priced at each row's own width). For each row as the anchor at ``cap``,
-        # add the others' largest increments: with attention linear in the width, a
-        # round's price depends only on the token count and the widest row, so these
-        # candidates hold the most tokens for every (count, widest = cap) pair.
-        prefix = [
-            float(gain[cap] - gain[0]) if length >= cap else -1.0
-            for gain, length in zip(gains, lengths, strict=True)
-        ]
-        anchors = sorted(range(count), key=lambda row: -prefix[row])[:ANCHOR_ROWS]
-        for anchor in anchors:
-            if prefix[anchor] < 0.0:
-                break
-            tokens = count + prefix[anchor]
-            attended = count * prices.attention(1) + (
-                prices.attention(cap + 1) - prices.attention(1)
-            )
-            taken = [(0.0, anchor)] * cap
-            tpt = tokens / prices.round(count + cap, 1 + cap, 0, attended)
-            if tpt > best_tpt:
-                best_tpt, gammas = tpt, _gammas(count, taken)
-            others = [item for item in increments if item[1] != anchor]
-            counts = [0] * count
-            for increment, row in others:
-                tokens += increment
-                attended += prices.attention(counts[row] + 2) - prices.attention(counts[row] + 1)
-                counts[row] += 1
-                taken.append((increment, row))
-                tpt = tokens / prices.round(count + len(taken), 1 + cap, 0, attended)
-                if tpt > best_tpt:
-                    best_tpt, gammas = tpt, _gammas(count, taken)
-        return best_tpt, gammas
 
     def _subnetwork_option(
         self,

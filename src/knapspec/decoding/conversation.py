@@ -35,7 +35,8 @@ import attrs
 import torch
 
 from knapspec.decoding.arguments import new_token_limit, sampling_params, single_prompt, stop_set
-from knapspec.decoding.run import GenerationResult, LogitsProcessor, decoder_run
+from knapspec.decoding.run import GenerationResult, LogitsProcessor
+from knapspec.decoding.run_builder import decoder_run
 from knapspec.window import WindowBuffer
 
 if TYPE_CHECKING:

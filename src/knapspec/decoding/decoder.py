@@ -57,7 +57,8 @@ from knapspec.decoding.batch_policy import (
 )
 from knapspec.decoding.conversation import Conversation
 from knapspec.decoding.prefix_cache import PrefixCache
-from knapspec.decoding.run import GenerationResult, LogitsProcessor, decoder_run
+from knapspec.decoding.run import GenerationResult, LogitsProcessor
+from knapspec.decoding.run_builder import decoder_run
 from knapspec.drafters.base import Drafter
 from knapspec.model.engine import ContextLengthError, SublayerEngine
 from knapspec.planners.base import Planner, PlanningContext

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
 from knapspec.costmodels.base import LatencyObservation
-from knapspec.decoding.sampler import TokenSampler, resolve_seed
+from knapspec.decoding.sampler import TokenSampler
 from knapspec.decoding.stats import GenerationStats, PlanRecord
 from knapspec.decoding.verify import NonFiniteLogitsError
 from knapspec.drafters.base import (
@@ -420,65 +420,9 @@ def _plan_key(plan: DraftPlan) -> tuple[str, int, SublayerMask]:
     return plan.drafter_used, plan.draft_length, plan.mask
 
 
-class DecoderParts(Protocol):
-    """The components of a decoder that a :class:`Run` plays with (what
-    :class:`~knapspec.decoding.decoder.SpeculativeDecoder` holds)."""
-
-    engine: SublayerEngine
-    planner: Planner
-    drafters: dict[str, Drafter]
-    cost_model: CostModel | None
-    proxy: ValueProxy | None
-    max_draft_length: int
-    confidence_threshold: float
-
-
-def decoder_run(
-    decoder: DecoderParts,
-    cache: KVCache,
-    window: WindowBuffer,
-    prompt: torch.Tensor,
-    max_new_tokens: int,
-    stop_ids: frozenset[int],
-    params: SamplingParams,
-    streamer: BaseStreamer | None,
-    logits_processor: LogitsProcessor | None,
-    *,
-    reused_tokens: int = 0,
-    proposers: Sequence[Drafter] | None = None,
-    indexed_tokens: int = 0,
-) -> Run:
-    """A :class:`Run` of ``decoder``'s components over ``cache`` and ``window`` (one call
-    of ``generate`` or one conversation turn); an unseeded ``params`` draws a fresh seed
-    from torch's global RNG."""
-    return Run(
-        decoder.engine,
-        cache,
-        window,
-        decoder.planner,
-        decoder.drafters,
-        cost_model=decoder.cost_model,
-        proxy=decoder.proxy,
-        max_draft_length=decoder.max_draft_length,
-        confidence_threshold=decoder.confidence_threshold,
-        prompt=prompt,
-        max_new_tokens=max_new_tokens,
-        stop_ids=stop_ids,
-        params=params,
-        sampler=TokenSampler(params, resolve_seed(params), decoder.engine.device),
-        streamer=streamer,
-        logits_processor=logits_processor,
-        reused_tokens=reused_tokens,
-        proposers=proposers,
-        indexed_tokens=indexed_tokens,
-    )
-
-
 __all__ = [
     "PREFILL_WINDOW_TOKENS",
-    "DecoderParts",
     "GenerationResult",
     "LogitsProcessor",
     "Run",
-    "decoder_run",
 ]
