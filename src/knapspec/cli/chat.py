@@ -13,6 +13,7 @@ the top.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
@@ -115,6 +116,17 @@ def _lines(interactive: bool, stdin: TextIO) -> Any:
         yield line.rstrip("\n")
 
 
+def _interruptible() -> None:
+    """Make Ctrl-C raise ``KeyboardInterrupt`` even when SIGINT came in ignored.
+
+    A process started in the background by a non-interactive shell (``cmd &`` in a script)
+    inherits SIGINT as ignored, and Python then installs no handler; a chat on a terminal
+    promises that Ctrl-C stops the reply, so it takes the signal back.
+    """
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def run_chat(args: argparse.Namespace, extra: Sequence[str]) -> int:
     """The ``chat`` subcommand; returns the exit code."""
     config = load_decoder_config(args.config, args.overrides)
@@ -127,6 +139,7 @@ def run_chat(args: argparse.Namespace, extra: Sequence[str]) -> int:
 
     interactive = sys.stdin.isatty()
     if interactive:
+        _interruptible()
         print(f"knapspec chat ({HELP})", file=sys.stderr)
     totals = ChatTotals()
     for line in _lines(interactive, sys.stdin):
