@@ -8,7 +8,7 @@ with plain sampling (the autoregressive planner) of the same seed. Acceptance co
 not timings, so a busy machine does not change them; the wall times recorded are noisy.
 
     python benchmarks/sampling_acceptance.py [--prompts 2] [--seeds 3] [--tokens 2048]
-        [--reference-seeds 1]
+        [--reference-seeds 1] [--first-seed 0]
 
 Each row is appended to ``--output`` as soon as it is measured.
 """
@@ -33,6 +33,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument(
+        "--first-seed", type=int, default=0, help="seeds first-seed, first-seed+1, ..."
+    )
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--T", type=float, default=0.7)
@@ -58,7 +61,7 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     for index in range(args.prompts):
         prompt = long_input_prompt(tokenizer, args.tokens, seed=index)
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             reference = None
             for scheme in ("rejection", "position-keyed"):
                 params = SamplingParams(
@@ -79,7 +82,9 @@ def main() -> None:
                     "new_tokens": stats.new_tokens,
                     "wall_time": stats.wall_time_s,
                 }
-                checked = args.reference_seeds is None or seed < args.reference_seeds
+                checked = (
+                    args.reference_seeds is None or seed - args.first_seed < args.reference_seeds
+                )
                 if scheme == "position-keyed" and checked:
                     plain_result = plain.generate(
                         prompt, max_new_tokens=args.new_tokens, sampling=params

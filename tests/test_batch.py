@@ -264,7 +264,9 @@ def _batch_samples(params: SamplingParams, runs: int) -> tuple[list[Counter[tupl
     return counts, drafted
 
 
-@pytest.mark.parametrize("scheme", ["position-keyed", "rejection"])
+@pytest.mark.parametrize(
+    "scheme", ["position-keyed", pytest.param("rejection", marks=pytest.mark.slow)]
+)
 def test_sampled_rows_are_distributed_as_the_target(scheme: str) -> None:
     params = SamplingParams(do_sample=True, temperature=1.0, verification=scheme)
     counts, drafted = _batch_samples(params, RUNS)

@@ -168,7 +168,9 @@ def _subnetwork_samples(
     return counts, per_round
 
 
-@pytest.mark.parametrize("scheme", ["position-keyed", "rejection"])
+@pytest.mark.parametrize(
+    "scheme", ["position-keyed", pytest.param("rejection", marks=pytest.mark.slow)]
+)
 def test_sampled_rows_with_subnetwork_drafts_are_distributed_as_the_target(scheme: str) -> None:
     counts, per_round = _subnetwork_samples(RUNS, (1, 2), scheme)
     # Every first round drafts 3 tokens per row (5 new tokens leave room for 3).

@@ -158,7 +158,11 @@ BAD_DRAFT = SublayerMask.from_skipped(3, [0, 1, 2, 3, 5])  # keeps one item: a p
         SamplingParams(do_sample=True, temperature=0.7, top_p=0.9),
         SamplingParams(do_sample=True, temperature=1.5, top_k=3),
         SamplingParams(do_sample=True, temperature=1.0, verification=REJECTION),
-        SamplingParams(do_sample=True, temperature=0.7, top_p=0.9, verification=REJECTION),
+        # The rejection scheme's second setting runs in the slow tier (docs/reliability.md).
+        pytest.param(
+            SamplingParams(do_sample=True, temperature=0.7, top_p=0.9, verification=REJECTION),
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["T=1", "T=0.7,top_p=0.9", "T=1.5,top_k=3", "T=1,rejection", "T=0.7,top_p=0.9,rejection"],
 )
@@ -436,7 +440,10 @@ LOOKUP_RUNS = 3000
     [
         SamplingParams(do_sample=True, temperature=1.0),
         SamplingParams(do_sample=True, temperature=0.7, top_p=0.9),
-        SamplingParams(do_sample=True, temperature=1.0, verification=REJECTION),
+        pytest.param(
+            SamplingParams(do_sample=True, temperature=1.0, verification=REJECTION),
+            marks=pytest.mark.slow,  # the rejection scheme's lookup check: slow tier
+        ),
     ],
     ids=["T=1", "T=0.7,top_p=0.9", "T=1,rejection"],
 )
