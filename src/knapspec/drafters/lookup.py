@@ -14,6 +14,13 @@ microseconds; ``benchmarks/lookup_index.py`` measures it). A proposal:
    occurrence matches the context, the more its continuation is trusted), as in
    SuffixDecoding's frequency-weighted continuation trees.
 
+**History** (``history_tokens > 0``). The drafter also keeps the sequences (prompt and output) of its earlier calls,
+up to ``history_tokens`` tokens, the oldest evicted first, each in its own index: a call
+whose context ends with something an earlier call wrote (a second question on the same
+document, the same prompt again, a template) votes with those occurrences too. A new
+prompt that merely extends the last sequence (a conversation's next turn) is indexed
+incrementally instead of archived.
+
 The draft's length is not decided here: the planner cuts it at the tokens-per-time optimum
 from online acceptance estimates (:class:`~knapspec.drafters.acceptance.LookupAcceptance`).
 """
@@ -21,7 +28,8 @@ from online acceptance estimates (:class:`~knapspec.drafters.acceptance.LookupAc
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
+from collections.abc import Sequence
 
 import attrs
 
@@ -41,12 +49,18 @@ class LookupConfig:
         max_match: cap on the measured match length (>= max_ngram); it only feeds the
             acceptance buckets and the vote weights.
         max_tokens: the longest continuation proposed (>= 1); the decoder's D caps it too.
+        history_tokens: how many tokens of earlier calls' sequences (prompt and output)
+            the drafter keeps to look up in (>= 0; 0, the default, turns history off; 16384
+            is a fair size). About 0.7 KB of index per token with ``max_ngram = 4``. Off by
+            default: with it, a repeated prompt drafts its whole earlier answer, so cold-call
+            benchmarks that repeat prompts would measure the history instead.
     """
 
     max_ngram: int = attrs.field(default=4, validator=at_least(1))
     max_candidates: int = attrs.field(default=8, validator=at_least(1))
     max_match: int = attrs.field(default=32, validator=at_least(1))
     max_tokens: int = attrs.field(default=16, validator=at_least(1))
+    history_tokens: int = attrs.field(default=0, validator=at_least(0))
 
     def __attrs_post_init__(self) -> None:
         if self.max_match < self.max_ngram:
@@ -108,26 +122,35 @@ class LookupIndex:
         """``(n, ends)``: the longest ``n <= N`` whose last-``n``-token suffix occurred
         before with a continuation, and those occurrences' end positions ((0, []) if
         none). The suffix's own position never counts: it has no continuation yet."""
-        tokens = self.tokens
-        for n in range(min(self.max_ngram, len(tokens)), 0, -1):
-            ends = self._positions[n].get(tuple(tokens[-n:]))
+        return self.suffix_occurrences(self.tokens)
+
+    def suffix_occurrences(self, context: Sequence[int]) -> tuple[int, list[int]]:
+        """``(n, ends)``: the longest ``n <= N`` such that the last ``n`` tokens of
+        ``context`` occur in this index with a continuation, and the end positions of
+        those occurrences ((0, []) if none)."""
+        for n in range(min(self.max_ngram, len(context)), 0, -1):
+            ends = self._positions[n].get(tuple(context[-n:]))
             if ends:
                 return n, ends
         return 0, []
 
     def match_length(self, end: int, cap: int) -> int:
         """How many tokens ending at ``end`` equal the sequence's suffix (at most ``cap``)."""
-        tokens = self.tokens
-        last = len(tokens) - 1
-        length = 0
-        while length < cap and end - length >= 0 and tokens[end - length] == tokens[last - length]:
-            length += 1
-        return length
+        return _match_length(self.tokens, end, self.tokens, cap)
 
     def propose(
-        self, max_tokens: int, *, max_candidates: int = 8, max_match: int = 32
+        self,
+        max_tokens: int,
+        *,
+        max_candidates: int = 8,
+        max_match: int = 32,
+        history: Sequence[LookupIndex] = (),
     ) -> tuple[list[int], list[float], int]:
         """A continuation of the sequence by weighted vote of earlier occurrences.
+
+        The occurrences are those of the longest suffix of the sequence found in it or in
+        any of the ``history`` indexes (other sequences, oldest first), the most recent
+        ``max_candidates`` of them (this sequence's count as the most recent).
 
         Returns:
             ``(tokens, support, match_length)``: up to ``max_tokens`` proposed tokens, per
@@ -135,25 +158,31 @@ class LookupIndex:
             it, and the longest measured match among the occurrences that agree with the
             first token (0 and empty lists when the suffix never occurred).
         """
-        n, ends = self.longest_suffix_match()
+        context = self.tokens
+        found = [(other.tokens, *other.suffix_occurrences(context)) for other in history]
+        found.append((context, *self.longest_suffix_match()))
+        n = max(length for _, length, _ in found)
         if n == 0 or max_tokens < 1:
             return [], [], 0
-        tokens = self.tokens
-        size = len(tokens)
-        # Occurrences as (next position, weight); a longer match weighs more.
-        recent = ends[-max_candidates:]
-        lengths = [self.match_length(end, max_match) for end in recent]
-        active = [(end + 1, float(length)) for end, length in zip(recent, lengths, strict=True)]
-        starts = {end + 1: length for end, length in zip(recent, lengths, strict=True)}
+        occurrences = [
+            (source, end) for source, length, ends in found if length == n for end in ends
+        ]
+        # Each candidate: (its sequence, where its continuation starts, its match length).
+        candidates = [
+            (source, end + 1, _match_length(source, end, context, max_match))
+            for source, end in occurrences[-max_candidates:]
+        ]
+        active = list(range(len(candidates)))
         proposal: list[int] = []
         support: list[float] = []
         first_supporters: list[int] = []
         for step in range(max_tokens):
             votes: dict[int, float] = {}
-            for start, weight in active:
-                if start + step < size:
-                    token = tokens[start + step]
-                    votes[token] = votes.get(token, 0.0) + weight
+            for i in active:
+                source, start, weight = candidates[i]
+                if start + step < len(source):
+                    token = source[start + step]
+                    votes[token] = votes.get(token, 0.0) + float(weight)
             if not votes:
                 break
             total = sum(votes.values())
@@ -163,14 +192,30 @@ class LookupIndex:
             proposal.append(best)
             support.append(votes[best] / total)
             active = [
-                (start, weight)
-                for start, weight in active
-                if start + step < size and tokens[start + step] == best
+                i
+                for i in active
+                if candidates[i][1] + step < len(candidates[i][0])
+                and candidates[i][0][candidates[i][1] + step] == best
             ]
             if step == 0:
-                first_supporters = [start for start, _ in active]
-        match = max((starts[s] for s in first_supporters), default=n)
+                first_supporters = active
+        match = max((candidates[i][2] for i in first_supporters), default=n)
         return proposal, support, match
+
+
+def _match_length(source: Sequence[int], end: int, context: Sequence[int], cap: int) -> int:
+    """How many tokens of ``source`` ending at ``end`` equal the last ones of ``context``
+    (at most ``cap``)."""
+    last = len(context) - 1
+    length = 0
+    while (
+        length < cap
+        and end - length >= 0
+        and last - length >= 0
+        and source[end - length] == context[last - length]
+    ):
+        length += 1
+    return length
 
 
 @DRAFTERS.register(LOOKUP)
@@ -187,10 +232,39 @@ class LookupDrafter(Drafter):
     def __init__(self, config: LookupConfig | None = None) -> None:
         self.config = config if config is not None else LookupConfig()
         self.index = LookupIndex(self.config.max_ngram)
+        #: Earlier calls' sequences, oldest first, at most ``config.history_tokens`` in all.
+        self.history: deque[LookupIndex] = deque()
 
     def reset(self, tokens: list[int]) -> None:
-        self.index.clear()
+        """Start a new sequence ``tokens``. The last one goes to the history, unless
+        ``tokens`` extends it (then only the new tokens are indexed: the same index)."""
+        current = self.index
+        size = len(current)
+        if size and len(tokens) >= size and tokens[:size] == current.tokens:
+            current.extend(tokens[size:])
+            return
+        self._archive(current)
+        self.index = LookupIndex(self.config.max_ngram)
         self.index.extend(tokens)
+
+    def clear_history(self) -> None:
+        """Forget every earlier call's sequence."""
+        self.history.clear()
+
+    @property
+    def history_size(self) -> int:
+        """Tokens held in the history."""
+        return sum(len(index) for index in self.history)
+
+    def _archive(self, index: LookupIndex) -> None:
+        """Keep ``index`` in the history (if it fits at all), evicting the oldest first."""
+        budget = self.config.history_tokens
+        if len(index) < 2 or len(index) > budget:
+            return
+        self.history.append(index)
+        size = self.history_size
+        while size > budget:
+            size -= len(self.history.popleft())
 
     def extend(self, tokens: list[int]) -> None:
         self.index.extend(tokens)
@@ -203,6 +277,7 @@ class LookupDrafter(Drafter):
             min(request.budget, self.config.max_tokens),
             max_candidates=self.config.max_candidates,
             max_match=self.config.max_match,
+            history=self.history,
         )
         return Draft(
             tuple(tokens),
