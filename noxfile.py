@@ -112,7 +112,8 @@ def proofs(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def fuzz(session: nox.Session) -> None:
     """The configuration fuzzer (tests/test_fuzz.py) with 2,000 fresh examples instead of
-    the tests session's 16 fixed ones (an hour or two on 2 cores)."""
+    the tests session's 16 fixed ones (about 7 minutes on one core of a 2-core EPYC).
+    Add ``--hypothesis-show-statistics`` to see how often the drawn runs drafted."""
     _install(session, "test")
     session.run(
         "python",
