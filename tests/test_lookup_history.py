@@ -210,3 +210,27 @@ def test_a_second_call_on_the_same_prompt_drafts_the_first_answer_losslessly() -
     assert second.stats.accepted_tokens >= 30
     assert second.stats.accepted_tokens > first.stats.accepted_tokens
     assert second.stats.rounds < first.stats.rounds
+
+
+def test_a_batch_row_drafts_from_another_rows_output_losslessly() -> None:
+    """Row 1's prompt is row 0's prompt plus the first 10 tokens of its answer, so row 1
+    writes ahead what row 0 writes next: with history on, row 0 drafts it from row 1."""
+    from knapspec.decoding.batch_policy import FixedLookupBatchPolicy
+
+    model = tiny_model("llama", 3)
+    reference = greedy_reference(model, PROMPT, 40)
+    ahead = torch.cat([PROMPT, reference[:10]])
+    accepted = {}
+    for history in (0, 4096):
+        config = {
+            "planner": {"name": "lookup", "draft_length": 8},
+            "drafters": {"lookup": {"history_tokens": history}},
+        }
+        decoder = SpeculativeDecoder(model, config)
+        result = decoder.generate_batch(
+            [PROMPT, ahead], max_new_tokens=30, policy=FixedLookupBatchPolicy(8)
+        )
+        assert torch.equal(result.tokens[0], reference[:30])
+        assert torch.equal(result.tokens[1], greedy_reference(model, ahead, 30))
+        accepted[history] = result.stats[0].accepted_tokens
+    assert accepted[4096] > accepted[0]

@@ -175,6 +175,9 @@ class BatchRun:
         self.shared_drafters = drafters
         names = sorted(proposers)
         self.drafters = [[drafters[name].for_row(engine) for name in names] for _ in range(count)]
+        for column in zip(*self.drafters, strict=True):  # one drafter kind, every row
+            for drafter in column:
+                drafter.share_rows(column)
         self.stats = [GenerationStats(prompt_tokens=p.numel()) for p in prompts]
         self.outputs: list[list[int]] = [[] for _ in range(count)]
         self.synchronize = engine.device.type == "cuda"

@@ -14,12 +14,13 @@ microseconds; ``benchmarks/lookup_index.py`` measures it). A proposal:
    occurrence matches the context, the more its continuation is trusted), as in
    SuffixDecoding's frequency-weighted continuation trees.
 
-**History** (``history_tokens > 0``). The drafter also keeps the sequences (prompt and output) of its earlier calls,
-up to ``history_tokens`` tokens, the oldest evicted first, each in its own index: a call
-whose context ends with something an earlier call wrote (a second question on the same
-document, the same prompt again, a template) votes with those occurrences too. A new
-prompt that merely extends the last sequence (a conversation's next turn) is indexed
-incrementally instead of archived.
+**History** (``history_tokens > 0``). The drafter also keeps the sequences (prompt and
+output) of its earlier calls, up to ``history_tokens`` tokens, the oldest evicted first, each
+in its own index: a call whose context ends with something an earlier call wrote (a second
+question on the same document, the same prompt again, a template) votes with those
+occurrences too. A new prompt that merely extends the last sequence (a conversation's next
+turn) is indexed incrementally instead of archived. In a batch, each row also looks up in
+the other rows' sequences as they grow.
 
 The draft's length is not decided here: the planner cuts it at the tokens-per-time optimum
 from online acceptance estimates (:class:`~knapspec.drafters.acceptance.LookupAcceptance`).
@@ -234,6 +235,14 @@ class LookupDrafter(Drafter):
         self.index = LookupIndex(self.config.max_ngram)
         #: Earlier calls' sequences, oldest first, at most ``config.history_tokens`` in all.
         self.history: deque[LookupIndex] = deque()
+        #: The other rows of this drafter's batch (history on only), read live.
+        self.peers: list[LookupDrafter] = []
+
+    def share_rows(self, rows: Sequence[LookupDrafter]) -> None:
+        """With history on, the other rows' sequences vote too (after the history's, before
+        this row's own)."""
+        if self.config.history_tokens > 0:
+            self.peers = [row for row in rows if row is not self]
 
     def reset(self, tokens: list[int]) -> None:
         """Start a new sequence ``tokens``. The last one goes to the history, unless
@@ -277,7 +286,7 @@ class LookupDrafter(Drafter):
             min(request.budget, self.config.max_tokens),
             max_candidates=self.config.max_candidates,
             max_match=self.config.max_match,
-            history=self.history,
+            history=[*self.history, *(peer.index for peer in self.peers)],
         )
         return Draft(
             tuple(tokens),
