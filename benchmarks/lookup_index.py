@@ -1,9 +1,11 @@
 """What the incremental lookup index costs: microseconds per committed token and per
-proposal, as the context grows to 8k tokens (pure Python, one thread).
+proposal, as the context grows to 32k tokens (pure Python, one thread), and what indexing
+a whole prompt of that length at once costs (linear in its length).
 
 Feeds real text (the bench corpus, tokenised) token by token into a
 :class:`~knapspec.drafters.LookupDrafter` and times ``extend`` per token and ``propose``
-at context lengths 512 .. 8192. Writes one JSON line per context length.
+at context lengths 512 .. 32768; then indexes each length's prefix as one prompt
+(``reset``, what a call does with its prompt). Writes one JSON line per context length.
 
     python benchmarks/lookup_index.py [--output results/drafters/lookup_index.jsonl]
 """
@@ -21,7 +23,7 @@ from knapspec.bench.prompts import corpus
 from knapspec.drafters import DraftRequest, LookupDrafter
 from knapspec.model.provision import load_model_and_tokenizer
 
-CHECKPOINTS = (512, 1024, 2048, 4096, 8192)
+CHECKPOINTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 def main() -> None:
@@ -30,7 +32,7 @@ def main() -> None:
     parser.add_argument("--proposals", type=int, default=200, help="timed proposals per point")
     args = parser.parse_args()
     _, tokenizer = load_model_and_tokenizer()
-    text = corpus()[1][:60_000]  # about 14k tokens: enough for the last checkpoint
+    text = corpus()[1][:160_000]  # about 37k tokens: enough for the last checkpoint
     tokens: list[int] = tokenizer(text)["input_ids"][: CHECKPOINTS[-1]]
     drafter = LookupDrafter()
     drafter.reset([])
@@ -47,8 +49,14 @@ def main() -> None:
             for _ in range(args.proposals):
                 draft = drafter.propose(DraftRequest(10))
                 propose_us.append(1e6 * draft.seconds)
+            prompt = LookupDrafter()
+            started = time.perf_counter()
+            prompt.reset(tokens[:checkpoint])
+            reset_ms = 1e3 * (time.perf_counter() - started)
             line = {
                 "context": checkpoint,
+                "index_prompt_ms": reset_ms,
+                "index_prompt_us_per_token": 1e3 * reset_ms / checkpoint,
                 "extend_us_per_token": extend_us,
                 "propose_us_median": statistics.median(propose_us),
                 "propose_us_max": max(propose_us),
