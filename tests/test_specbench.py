@@ -304,6 +304,47 @@ class _Interrupting:
         return self.decoder.generate(*args, **kwargs)
 
 
+class _Terminated(_Interrupting):
+    """Plain decoding that sends its own process SIGTERM on its ``after``-th call (what
+    ``timeout`` or a scheduler does)."""
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls == self.after:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
+        return self.decoder.generate(*args, **kwargs)
+
+
+def test_sigterm_ends_a_run_as_ctrl_c_does(
+    tiny: tuple[Any, Any], question_file: Path, tmp_path: Path
+) -> None:
+    import signal
+
+    from knapspec.decoding.decoder import SpeculativeDecoder
+
+    model, tokenizer = tiny
+    out = tmp_path / "run"
+    terminated = MethodSpec(
+        "lookup-k3",
+        {"planner": {"name": "lookup", "draft_length": 3}},
+        factory=lambda engine, config: _Terminated(
+            SpeculativeDecoder.from_config(engine, config), after=4
+        ),
+    )
+    options = _options(out, question_file, ["ar"])
+    options = attrs.evolve(options, methods=(*options.methods, terminated))
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        run_spec_bench(model, tokenizer, options)
+    info = json.loads((out / "run.json").read_text())
+    assert info["status"] == "interrupted" and "SIGTERM" in info["error"]
+    assert [a.key for a in read_answers(answer_path(out, "lookup-k3"))] == ["81"]  # kept
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is put back
+
+
 def test_resume_skips_answered_questions(
     tiny: tuple[Any, Any], question_file: Path, tmp_path: Path
 ) -> None:

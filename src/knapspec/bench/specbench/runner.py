@@ -22,8 +22,11 @@ Protocol (Spec-Bench's, plus ``shared/bench-protocol.md``'s interleaving):
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterable, Sequence
+import signal
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +73,25 @@ def answer_path(output_dir: Path, method: str) -> Path:
 
 def _tuple(values: Iterable[Any]) -> tuple[Any, ...]:
     return tuple(values)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (``timeout``, a job scheduler, ``kill``) ends a run as Ctrl-C does: the
+    answers written stay and ``run.json`` says ``interrupted``. Main thread only (signal
+    handlers can be set there alone); the previous handler comes back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @attrs.frozen
@@ -281,6 +303,8 @@ class SpecBenchRun:
         self._write_info("running")
         calls = sum(len(q.turns) * len(methods) for q, methods in todo)
         bar = tqdm(total=calls, unit="call", disable=not options.progress, dynamic_ncols=True)
+        signals = contextlib.ExitStack()
+        signals.enter_context(_terminate_as_interrupt())
         try:
             if todo:
                 self._set_up(bar)
@@ -296,11 +320,12 @@ class SpecBenchRun:
         except LosslessnessError as error:
             self._write_info("failed", error=str(error))
             raise
-        except BaseException as error:  # Ctrl-C included: the answers written stay
+        except BaseException as error:  # Ctrl-C and SIGTERM included: the answers written stay
             self._write_info("interrupted", error=f"{type(error).__name__}: {error}")
             raise
         finally:
             bar.close()
+            signals.close()
         ids = options.question_order or tuple(q.key for q in options.questions)
         for method in options.methods:
             path = answer_path(options.output_dir, method.name)
