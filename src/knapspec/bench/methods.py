@@ -39,6 +39,15 @@ REFERENCE = "ar"
 GENERATE = "generate"
 
 
+def forget_earlier_calls(decoder: object) -> None:
+    """Before a timed call: drop what earlier calls left to draft from (a decoder with
+    lookup history would otherwise draft a repeated prompt's earlier answer), so that every
+    call is measured as a first call."""
+    clear = getattr(decoder, "clear_history", None)
+    if callable(clear):
+        clear()
+
+
 class SupportsGenerate(Protocol):
     """What the harness times: :meth:`SpeculativeDecoder.generate`'s signature."""
 
@@ -317,6 +326,7 @@ __all__ = [
     "ablation_methods",
     "available",
     "default_methods",
+    "forget_earlier_calls",
     "freeze_first_plan",
     "lookup_methods",
     "method_config",

@@ -41,6 +41,7 @@ from knapspec.bench.methods import (
     REFERENCE,
     MethodSpec,
     SupportsGenerate,
+    forget_earlier_calls,
     freeze_first_plan,
     method_config,
 )
@@ -286,6 +287,7 @@ class Harness:
         if method.kind == "generate":
             return self._call_generate(ids, new_tokens, sampling, method.generate_kwargs)
         decoder = self.decoders[method.name]
+        forget_earlier_calls(decoder)
         result = decoder.generate(
             ids, max_new_tokens=new_tokens, eos_token_id=self._stop_ids(sampling), sampling=sampling
         )

@@ -204,6 +204,13 @@ class SpeculativeDecoder:
         """
         return Conversation(self, tokenizer, system=system)
 
+    def clear_history(self) -> None:
+        """Forget what earlier calls left to draft from (the lookup drafter's history,
+        ``drafters.lookup.history_tokens``): the next call drafts as a first call would."""
+        with self._lock:
+            for drafter in self.drafters.values():
+                drafter.clear_history()
+
     # ------------------------------------------------------------------ API
     @overload
     def generate(

@@ -170,6 +170,9 @@ class Drafter(Component, abc.ABC):
         its own state: its index, its last token)."""
         return type(self).from_config(self.config, engine)
 
+    def clear_history(self) -> None:
+        """Forget what earlier calls left to draft from (nothing, by default)."""
+
     def share_rows(self, rows: Sequence[Self]) -> None:
         """Called on each row's copy with every row's copy of one batch (this one among
         them): a drafter that can read the other rows' tokens keeps them (the lookup

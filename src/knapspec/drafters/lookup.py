@@ -283,8 +283,10 @@ class LookupDrafter(Drafter):
         self.index.extend(tokens)
 
     def clear_history(self) -> None:
-        """Forget every earlier call's sequence."""
+        """Forget every earlier call's sequence, the last one included (it would be
+        archived by the next call's ``reset``)."""
         self.history.clear()
+        self.index = LookupIndex(self.config.max_ngram)
 
     @property
     def history_size(self) -> int:

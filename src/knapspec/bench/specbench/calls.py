@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from knapspec.bench.methods import SupportsGenerate
+from knapspec.bench.methods import SupportsGenerate, forget_earlier_calls
 
 if TYPE_CHECKING:
     from knapspec.decoding.conversation import Conversation
@@ -50,7 +50,9 @@ def engine_call(
     max_new_tokens: int,
     eos: Sequence[int] | None,
 ) -> CallResult:
-    """One greedy call of one of our decoders (``input_ids``: ``(n,)``)."""
+    """One greedy call of one of our decoders (``input_ids``: ``(n,)``), as a first call
+    (:func:`~knapspec.bench.methods.forget_earlier_calls`)."""
+    forget_earlier_calls(decoder)
     return _call_result(
         decoder.generate(input_ids, max_new_tokens=max_new_tokens, eos_token_id=eos)
     )
