@@ -385,6 +385,11 @@ def test_resume_skips_answered_questions(
     # Another dtype or length would mix incomparable answers: refused.
     with pytest.raises(ValueError, match="max_new_tokens"):
         run_spec_bench(model, tokenizer, attrs.evolve(third, max_new_tokens=9))
+    # So would timings on another thread count (or another CPU).
+    with pytest.raises(ValueError, match="threads"):
+        run_spec_bench(model, tokenizer, attrs.evolve(third, threads=third.threads + 1))
+    settings = json.loads((out / "run.json").read_text())["settings"]
+    assert settings["device"] and settings["cpu_flags_digest"] and settings["threads"]
 
 
 class _OffByOne:

@@ -194,10 +194,15 @@ class SpecBenchRun:
             "dtype": self.env["dtype"],
             "max_new_tokens": self.options.max_new_tokens,
             "reuse_turns": self.options.reuse_turns,
+            # Timings from another CPU or thread count would mix into one run's figures.
+            "device": self.env["device"],
+            "cpu_flags_digest": self.env.get("cpu_flags_digest"),
+            "threads": self.options.threads,
         }
 
     def _check_resumable(self) -> None:
-        """A rerun may only add to answers made with the same model, dtype and length."""
+        """A rerun may only add to answers made with the same model, dtype, length, CPU
+        and threads (settings an older run did not record are not compared)."""
         path = self.options.output_dir / RUN_INFO
         if not path.exists():
             return
