@@ -23,6 +23,104 @@ LOOKUP: Final = "lookup"
 
 
 @attrs.frozen
+class DraftTree:
+    """A token tree a drafter proposes: several continuations sharing their prefixes.
+
+    Node ``i`` holds token ``tokens[i]`` and hangs below node ``parents[i]`` (``-1``: below
+    the last committed token, the root). Parents come before their children
+    (``parents[i] < i``) and siblings hold different tokens, so a path from the root is
+    one candidate continuation and the target's token at each step picks at most one
+    child. ``support[i]`` is the weighted fraction of the occurrences reaching the parent
+    that continue with node ``i``; ``rank[i]`` is its place among its siblings by that
+    weight (0: the heaviest, the one a chain would follow).
+
+    Attributes:
+        tokens, parents, support, rank: per node, as above (equal lengths).
+    """
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+    support: tuple[float, ...]
+    rank: tuple[int, ...]
+
+    def __attrs_post_init__(self) -> None:
+        size = len(self.tokens)
+        if not len(self.parents) == len(self.support) == len(self.rank) == size:
+            raise ValueError("a draft tree needs one parent, support and rank per token")
+        seen: set[tuple[int, int]] = set()
+        for i, (parent, token) in enumerate(zip(self.parents, self.tokens, strict=True)):
+            if not -1 <= parent < i:
+                raise ValueError(f"node {i}'s parent must be in [-1, {i}), got {parent}")
+            if (parent, token) in seen:
+                raise ValueError(f"node {i} repeats token {token} among its siblings")
+            seen.add((parent, token))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @functools.cached_property
+    def depths(self) -> tuple[int, ...]:
+        """Per node, its depth: 1 for the root's children (the draft position + 1)."""
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return tuple(depths)
+
+    @property
+    def is_chain(self) -> bool:
+        """Whether every node is the previous one's only child (a plain draft)."""
+        return all(parent == i - 1 for i, parent in enumerate(self.parents))
+
+    def children(self, node: int) -> dict[int, int]:
+        """``{token: child}`` of ``node`` (-1: the root)."""
+        return {
+            token: i
+            for i, (parent, token) in enumerate(zip(self.parents, self.tokens, strict=True))
+            if parent == node
+        }
+
+    def chain(self) -> tuple[int, ...]:
+        """The nodes of the heaviest path: from the root, each node's rank-0 child."""
+        nodes: list[int] = []
+        node = -1
+        while True:
+            nxt = next(
+                (i for i, p in enumerate(self.parents) if p == node and self.rank[i] == 0), None
+            )
+            if nxt is None:
+                return tuple(nodes)
+            nodes.append(nxt)
+            node = nxt
+
+    def subtree(self, nodes: Sequence[int]) -> DraftTree:
+        """The tree of ``nodes`` (each node's parent among them or the root), renumbered
+        in increasing order of the old numbers."""
+        kept = sorted(set(nodes))
+        new_index = {old: new for new, old in enumerate(kept)}
+        parents = []
+        for old in kept:
+            parent = self.parents[old]
+            if parent >= 0 and parent not in new_index:
+                raise ValueError(f"node {old} is kept without its parent {parent}")
+            parents.append(new_index[parent] if parent >= 0 else -1)
+        return DraftTree(
+            tuple(self.tokens[i] for i in kept),
+            tuple(parents),
+            tuple(self.support[i] for i in kept),
+            tuple(self.rank[i] for i in kept),
+        )
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from the root's child down to ``node`` (inclusive)."""
+        nodes: list[int] = []
+        while node >= 0:
+            nodes.append(node)
+            node = self.parents[node]
+        nodes.reverse()
+        return nodes
+
+
+@attrs.frozen
 class Draft:
     """Tokens one drafter proposed for one round.
 
@@ -38,6 +136,9 @@ class Draft:
         predicted_acceptance: the planner's per-token acceptance estimate for the tokens it
             kept (None when not priced).
         seconds: wall time spent producing the draft.
+        tree: the whole token tree when the drafter proposes one (lookup); ``tokens`` is
+            then its heaviest path (:meth:`DraftTree.chain`), what a chain-only consumer
+            drafts. None: a chain.
     """
 
     tokens: tuple[int, ...]
@@ -47,17 +148,38 @@ class Draft:
     match_length: int = 0
     predicted_acceptance: float | None = None
     seconds: float = 0.0
+    tree: DraftTree | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def truncated(self, length: int) -> Draft:
-        """The first ``length`` tokens (and their distributions / support)."""
+        """The first ``length`` tokens (and their distributions / support), as a chain (a
+        tree's other branches are dropped)."""
         if length >= len(self.tokens):
-            return self
+            return self if self.tree is None else attrs.evolve(self, tree=None)
         probs = self.probs[:length] if self.probs is not None else None
         return attrs.evolve(
-            self, tokens=self.tokens[:length], probs=probs, support=self.support[:length]
+            self,
+            tokens=self.tokens[:length],
+            probs=probs,
+            support=self.support[:length],
+            tree=None,
+        )
+
+    def branched(self, nodes: Sequence[int]) -> Draft:
+        """The draft of the subtree of :attr:`tree` on ``nodes`` (ancestor-closed): ``tokens``
+        become the subtree's heaviest path, ``tree`` the subtree. Deterministic drafts
+        only (a tree carries no draft distributions)."""
+        if self.tree is None or self.probs is not None:
+            raise ValueError("only a deterministic draft with a tree can be branched")
+        tree = self.tree.subtree(nodes)
+        chain = tree.chain()
+        return attrs.evolve(
+            self,
+            tokens=tuple(tree.tokens[i] for i in chain),
+            support=tuple(tree.support[i] for i in chain),
+            tree=tree,
         )
 
     def draft_probs(self, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -231,7 +353,8 @@ class DraftPlan:
     ``"subnetwork"`` (the target under ``mask``) or ``"lookup"`` (the lookup proposal of
     the round, cut to γ tokens; ``mask`` is then unused). The predicted fields are the
     planner's own estimates, kept for the stats and for drift detection;
-    ``best_draft_speedup`` is, for a γ = 0 plan, the predicted speed of the best
+    ``tree_nodes`` (lookup only) names the branches of the proposal's token tree to verify
+    beside its heaviest path. ``best_draft_speedup`` is, for a γ = 0 plan, the predicted speed of the best
     speculative option the planner priced and rejected, relative to a plain step (None
     when it priced none), so a run without drafts can say why.
     """
@@ -243,6 +366,9 @@ class DraftPlan:
     source: str = "static"
     drafter: str = SUBNETWORK
     best_draft_speedup: float | None = None
+    #: The nodes of the proposal's token tree to verify (ancestor-closed; their deepest
+    #: path is at most ``draft_length``); None: a chain of ``draft_length`` tokens.
+    tree_nodes: tuple[int, ...] | None = None
 
     @property
     def drafter_used(self) -> str:

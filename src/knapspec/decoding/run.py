@@ -29,7 +29,7 @@ from knapspec.drafters.base import (
 )
 from knapspec.planners.base import Planner, PlanningContext
 from knapspec.sampling import SamplingParams
-from knapspec.types import DraftPlan, StepOutcome, SublayerMask
+from knapspec.types import DraftPlan, DraftTree, StepOutcome, SublayerMask
 from knapspec.validators import check_finite
 
 if TYPE_CHECKING:
@@ -150,6 +150,9 @@ class Run:
             else [drafters[name] for name in sorted(self.proposal_names)]
         )
         self.synchronize = self.engine.device.type == "cuda"
+        #: Token trees need the engine's tree pass, and a logits processor sees one
+        #: sequence per row (a tree's rows follow different paths).
+        self.trees = logits_processor is None and hasattr(engine, "forward_tree")
 
     def _now(self) -> float:
         if self.synchronize:
@@ -246,6 +249,7 @@ class Run:
                 remaining_tokens=self.max_new_tokens - len(self.output),
                 tokens=self.sequence[: self.prompt.numel() + len(self.output)],
                 proposals=proposals,
+                trees=self.trees,
             )
             plan = planner.plan(context)
             stats.plan_time_s += self._now() - plan_start
@@ -262,7 +266,9 @@ class Run:
             # Inputs at positions n .. n + accepted are now committed: keep their K/V only.
             cache.crop(n + accepted + 1)
             if verification.points is not None and verification.target_next is not None:
-                inputs = torch.tensor([pending, *draft.tokens[:accepted]], device=engine.device)
+                inputs = torch.tensor(
+                    [pending, *verification.tokens[:accepted]], device=engine.device
+                )
                 self.window.push(
                     verification.points[:, : accepted + 1],
                     inputs,
@@ -273,7 +279,12 @@ class Run:
             committed = self._commit(verification.tokens)
             drafter_name = draft.drafter if draft.tokens else "none"
             stats.record_round(
-                len(draft), accepted, committed, drafter_name, plan.predicted_acceptance
+                len(draft) if draft.tree is None else len(draft.tree),
+                accepted,
+                committed,
+                drafter_name,
+                plan.predicted_acceptance,
+                depth=len(draft) if draft.tree is None else max(draft.tree.depths),
             )
             pending = verification.tokens[-1]
             kept = verification.tokens[:committed]
@@ -355,6 +366,11 @@ class Run:
         if drafter.proposes_before_planning:
             for proposal in proposals:
                 if proposal.drafter == plan.drafter:
+                    if plan.tree_nodes is not None and proposal.tree is not None:
+                        depths = proposal.tree.depths
+                        return proposal.branched(
+                            [i for i in plan.tree_nodes if depths[i] <= budget]
+                        )
                     return proposal.truncated(budget)
             raise RuntimeError(
                 f"the planner chose drafter {plan.drafter!r}, which proposed nothing this "
@@ -379,6 +395,8 @@ class Run:
         """One full forward over ``[pending, *draft]`` and the acceptance test; with
         ``capture``, also the window data."""
         engine = self.engine
+        if draft.tree is not None:
+            return self._verify_tree(pending, draft.tree, n, capture)
         verify_start = self._now()
         inputs = torch.tensor([pending, *draft.tokens], device=engine.device)
         out = engine.forward(inputs, n, self.cache, capture_points=capture)
@@ -392,6 +410,30 @@ class Run:
         if self.cost_model is not None:
             self.cost_model.observe(LatencyObservation("verify", n, elapsed, len(drafts) + 1))
         return Verification(verdict.accepted, verdict.tokens, elapsed, out.points, target_next)
+
+    def _verify_tree(
+        self, pending: int, tree: DraftTree, n: int, capture: bool
+    ) -> Verification:
+        """One full forward over ``pending`` and the tree's nodes (tree attention), the
+        walk down the tree, and the cache compacted to the accepted path (the window
+        data, with ``capture``, is the path's rows)."""
+        engine = self.engine
+        verify_start = self._now()
+        inputs = torch.tensor([pending, *tree.tokens], device=engine.device)
+        parents = [-1, *(parent + 1 for parent in tree.parents)]
+        out = engine.forward_tree(inputs, n, parents, self.cache, capture_points=capture)
+        check_finite(out.logits, "verification", error=NonFiniteLogitsError.during)
+        verdict, path = self.sampler.verify_tree(tree, out.logits, n + 1)
+        rows = [0, *(node + 1 for node in path)]
+        self.cache.compact(n, rows)
+        points = out.points[:, rows] if out.points is not None else None
+        target_next = out.logits[rows].argmax(dim=-1) if capture else None
+        elapsed = self._now() - verify_start
+        self.stats.verify_time_s += elapsed
+        self.stats.tree_rounds += 1
+        if self.cost_model is not None:
+            self.cost_model.observe(LatencyObservation("verify", n, elapsed, len(inputs)))
+        return Verification(verdict.accepted, verdict.tokens, elapsed, points, target_next)
 
     def _record_plan(self, plan: DraftPlan, round_index: int, n: int) -> None:
         skipped = plan.mask.skipped

@@ -13,6 +13,7 @@ import torch
 
 from knapspec.decoding.verify import Verdict, verify_greedy, verify_sampling
 from knapspec.drafters.base import Draft
+from knapspec.types import DraftTree
 from knapspec.gumbel import keyed_argmax, position_key
 from knapspec.sampling import (
     REJECTION,
@@ -89,6 +90,48 @@ class TokenSampler:
             if j == len(drafts) or token != drafts[j]:
                 return Verdict(j, [*drafts[:j], token])
             j += 1
+
+
+    def pick(self, logits: torch.Tensor, position: int) -> int:
+        """The target's token at ``position`` from one row of verification ``logits
+        (vocab,)``: the argmax, the position-keyed sample (as :meth:`choose` picks it), or
+        a draw from the processed distribution with the call's generator (rejection
+        scheme)."""
+        if not self.sampled:
+            return int(logits.argmax())
+        if self.rejection:
+            return sample_token(processed_probs(logits, self.params), self.generator)
+        return self.choose(logits, position)[0]
+
+    def verify_tree(
+        self, tree: DraftTree, logits: torch.Tensor, position: int
+    ) -> tuple[Verdict, list[int]]:
+        """Verify a token tree against the target's ``logits (1 + len(tree), vocab)``: row
+        0 follows the committed tokens, row ``1 + i`` follows node ``i``'s path; the token
+        a row picks is at ``position + depth``.
+
+        From the root, the target picks its token at the current row (:meth:`pick`); the
+        walk descends to the child holding that token, and ends, committing it, where no
+        child does. Every committed token is thus the target's own pick given the
+        committed prefix (the argmax; the position-keyed sample plain sampling draws; a
+        draw from ``p``), so the output is plain decoding's, greedy or sampled
+        (``docs/theory.md``, "Token trees"). Lookup drafts only: their ``q`` is one-hot.
+
+        Returns:
+            the verdict and the accepted nodes, root side first.
+        """
+        children: dict[int, dict[int, int]] = {}
+        for i, (parent, token) in enumerate(zip(tree.parents, tree.tokens, strict=True)):
+            children.setdefault(parent, {})[token] = i
+        node, path, tokens = -1, [], []
+        while True:
+            token = self.pick(logits[node + 1], position + len(path))
+            tokens.append(token)
+            child = children.get(node, {}).get(token)
+            if child is None:
+                return Verdict(len(path), tokens), path
+            path.append(child)
+            node = child
 
 
 __all__ = ["TokenSampler", "resolve_seed"]

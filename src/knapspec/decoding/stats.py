@@ -77,7 +77,9 @@ class GenerationStats:
     rejected in favour of γ = 0 (None when it priced none): why a run did not speculate.
     ``cached_prompt_tokens`` counts the prompt's first tokens whose K/V came from a cache
     (a conversation's earlier turns, a cached prefix) instead of being prefilled;
-    ``prefill_time_s`` is the time to the first token.
+    ``prefill_time_s`` is the time to the first token. ``tree_rounds`` counts the rounds
+    that verified a token tree (their drafted tokens are the tree's nodes, so a tree's
+    acceptance rate is lower than a chain's for the same accepted length).
     """
 
     prompt_tokens: int = 0
@@ -90,6 +92,7 @@ class GenerationStats:
     verify_time_s: float = 0.0
     lookup_time_s: float = 0.0
     rounds: int = 0
+    tree_rounds: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     accept_lengths: list[int] = attrs.field(factory=list)
@@ -136,16 +139,20 @@ class GenerationStats:
         committed: int,
         drafter: str | None = None,
         predicted_acceptance: float | None = None,
+        depth: int | None = None,
     ) -> None:
         """Count one verify round (``committed`` may be cut short by EOS / the token limit);
         ``drafter`` names who drafted (default: ``"none"`` without drafts, else
-        ``"subnetwork"``), ``predicted_acceptance`` the plan's per-token prediction."""
+        ``"subnetwork"``), ``predicted_acceptance`` the plan's per-token prediction.
+        ``drafted`` counts every verified draft token (a tree's nodes); ``depth`` is the
+        deepest draft position (default ``drafted``: a chain), what the per-position
+        counts follow."""
         name = drafter if drafter is not None else ("subnetwork" if drafted else "none")
         counts = self.drafters.setdefault(name, DrafterCounts())
         counts.rounds += 1
         counts.drafted += drafted
         counts.accepted += accepted
-        counts.rejections += int(accepted < drafted)
+        counts.rejections += int(accepted < (drafted if depth is None else depth))
         if drafted and predicted_acceptance is not None:
             counts.predicted_acceptance_sum += predicted_acceptance
             counts.predicted_rounds += 1
@@ -153,10 +160,11 @@ class GenerationStats:
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         self.accept_lengths.append(committed)
-        while len(self.drafted_at_position) < drafted:
+        positions = drafted if depth is None else depth
+        while len(self.drafted_at_position) < positions:
             self.drafted_at_position.append(0)
             self.accepted_at_position.append(0)
-        for position in range(drafted):
+        for position in range(positions):
             self.drafted_at_position[position] += 1
             if position < accepted:
                 self.accepted_at_position[position] += 1

@@ -27,6 +27,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from knapspec.types import DraftTree
 from knapspec.validators import at_least, interval
 
 FloatArray = npt.NDArray[np.float64]
@@ -188,7 +189,79 @@ class LookupAcceptance:
         self.streak_ = bool(proposal) and bool(committed) and not rejected
 
 
+#: Lower edges of the support bins of :class:`BranchAcceptance` (a branch's weighted share
+#: of the occurrences that reach its parent).
+SUPPORT_EDGES = (0.0, 0.25, 0.5, 0.75)
+
+
+class BranchAcceptance:
+    """Acceptance of a token tree's side branches, learned online like the chain's.
+
+    A side branch is a node that is not its parent's heaviest child (``rank > 0``); the
+    heaviest children follow the chain's estimates (:class:`LookupAcceptance`). Per match
+    bucket, support bin (:data:`SUPPORT_EDGES`) and depth, the estimate of ``P(node
+    accepted | parent accepted)`` is a Beta mean shrunk (``position_strength``
+    pseudo-trials) to a prior: the chain's rate at that depth times the node's support
+    (the target follows the occurrences in proportion to their weight). Counts decay as
+    the chain's do. In hindsight every side node whose parent lies on the committed path
+    is one trial: accepted when its token is the committed one (greedy or sampled, as
+    for the chain: its ``q`` is one-hot).
+
+    Args:
+        config: the chain's hyper-parameters (shared: buckets, strength, decay).
+    """
+
+    def __init__(self, config: LookupAcceptanceConfig | None = None) -> None:
+        self.config = config if config is not None else LookupAcceptanceConfig()
+        self.reset()
+
+    def reset(self) -> None:
+        shape = (len(self.config.match_edges), len(SUPPORT_EDGES), self.config.max_positions)
+        self.accepted_: FloatArray = np.zeros(shape)
+        self.trials_: FloatArray = np.zeros(shape)
+
+    def _cell(self, match_bucket: int, support: float, depth: int) -> tuple[int, int, int]:
+        support_bin = max(0, bisect.bisect_right(SUPPORT_EDGES, support) - 1)
+        return match_bucket, support_bin, min(depth - 1, self.config.max_positions - 1)
+
+    def rate(self, match_bucket: int, support: float, depth: int, chain_rate: float) -> float:
+        """``P(accepted | parent accepted)`` of a side node at ``depth >= 1`` with this
+        support, given the chain's conditional rate at that depth."""
+        cell = self._cell(match_bucket, support, depth)
+        strength = self.config.position_strength
+        prior = chain_rate * support
+        return float(
+            (self.accepted_[cell] + strength * prior) / (self.trials_[cell] + strength)
+        )
+
+    def observe_round(
+        self, tree: DraftTree, match_bucket: int, committed: Sequence[int]
+    ) -> None:
+        """Learn from a round: ``tree`` (the whole proposal) against the committed tokens."""
+        self.accepted_ *= self.config.decay
+        self.trials_ *= self.config.decay
+        children: dict[int, list[int]] = {}
+        for i, parent in enumerate(tree.parents):
+            children.setdefault(parent, []).append(i)
+        node = -1
+        for depth, token in enumerate(committed, start=1):
+            follow = -1
+            for child in children.get(node, ()):
+                hit = tree.tokens[child] == token
+                if hit:
+                    follow = child
+                if tree.rank[child] > 0:
+                    cell = self._cell(match_bucket, tree.support[child], depth)
+                    self.trials_[cell] += 1.0
+                    self.accepted_[cell] += float(hit)
+            if follow < 0:
+                return
+            node = follow
+
+
 __all__ = [
+    "SUPPORT_EDGES",
+    "BranchAcceptance",
     "LookupAcceptance",
     "LookupAcceptanceConfig",
     "check_priors_match_buckets",

@@ -28,6 +28,7 @@ from online acceptance estimates (:class:`~knapspec.drafters.acceptance.LookupAc
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -35,6 +36,7 @@ from collections.abc import Sequence
 import attrs
 
 from knapspec.drafters.base import DRAFTERS, LOOKUP, Draft, Drafter, DraftRequest
+from knapspec.types import DraftTree
 from knapspec.validators import at_least
 
 
@@ -55,6 +57,11 @@ class LookupConfig:
             is a fair size). About 0.7 KB of index per token with ``max_ngram = 4``. Off by
             default: with it, a repeated prompt drafts its whole earlier answer, so cold-call
             benchmarks that repeat prompts would measure the history instead.
+        tree_nodes: the most nodes of the token tree a proposal holds (>= 0): the
+            heaviest continuation, then the other occurrences' branches, best supported
+            first (:meth:`LookupIndex.propose_tree`). The planner verifies the part that
+            pays (a chain when branches do not). 0: chains only. At most 63 nodes are
+            verified in one pass.
     """
 
     max_ngram: int = attrs.field(default=4, validator=at_least(1))
@@ -62,6 +69,7 @@ class LookupConfig:
     max_match: int = attrs.field(default=32, validator=at_least(1))
     max_tokens: int = attrs.field(default=16, validator=at_least(1))
     history_tokens: int = attrs.field(default=0, validator=at_least(0))
+    tree_nodes: int = attrs.field(default=32, validator=at_least(0))
 
     def __attrs_post_init__(self) -> None:
         if self.max_match < self.max_ngram:
@@ -183,14 +191,49 @@ class LookupIndex:
             it, and the longest measured match among the occurrences that agree with the
             first token (0 and empty lists when the suffix never occurred).
         """
+        tree = self.propose_tree(
+            max_tokens,
+            max_nodes=0,
+            max_candidates=max_candidates,
+            max_match=max_match,
+            history=history,
+        )
+        if tree is None:
+            return [], [], 0
+        draft, match = tree
+        chain = draft.chain()
+        return [draft.tokens[i] for i in chain], [draft.support[i] for i in chain], match
+
+    def propose_tree(
+        self,
+        max_depth: int,
+        *,
+        max_nodes: int,
+        max_candidates: int = 8,
+        max_match: int = 32,
+        history: Sequence[LookupIndex] = (),
+    ) -> tuple[DraftTree, int] | None:
+        """The continuations of the earlier occurrences as one token tree.
+
+        The occurrences are those :meth:`propose` votes with. Each tree node gathers the
+        occurrences that continue with its path, weighted by their match lengths; a node's
+        children are ranked by that weight (ties: the most recent occurrence first), and
+        the rank-0 path is :meth:`propose`'s continuation. The tree holds that whole path
+        (up to ``max_depth``), then, best first by the product of the supports along
+        their path, other nodes until it has ``max(max_nodes, path)`` nodes.
+
+        Returns:
+            ``(tree, match_length)``, None when the suffix never occurred or
+            ``max_depth < 1``.
+        """
         context = self.tokens
         found = [
             (other.tokens, *other.suffix_occurrences(context, max_candidates)) for other in history
         ]
         found.append((context, *self.longest_suffix_match(max_candidates)))
         n = max(length for _, length, _ in found)
-        if n == 0 or max_tokens < 1:
-            return [], [], 0
+        if n == 0 or max_depth < 1:
+            return None
         occurrences = [
             (source, end) for source, length, ends in found if length == n for end in ends
         ]
@@ -199,35 +242,109 @@ class LookupIndex:
             (source, end + 1, _match_length(source, end, context, max_match))
             for source, end in occurrences[-max_candidates:]
         ]
-        active = list(range(len(candidates)))
-        proposal: list[int] = []
-        support: list[float] = []
-        first_supporters: list[int] = []
-        for step in range(max_tokens):
-            votes: dict[int, float] = {}
-            for i in active:
-                source, start, weight = candidates[i]
-                if start + step < len(source):
-                    token = source[start + step]
-                    votes[token] = votes.get(token, 0.0) + float(weight)
-            if not votes:
-                break
-            total = sum(votes.values())
-            # Ties go to the token of the most recent occurrence (dict order: oldest first,
-            # so scan in reverse).
-            best = max(reversed(list(votes)), key=votes.__getitem__)
-            proposal.append(best)
-            support.append(votes[best] / total)
-            active = [
-                i
-                for i in active
-                if candidates[i][1] + step < len(candidates[i][0])
-                and candidates[i][0][candidates[i][1] + step] == best
-            ]
-            if step == 0:
-                first_supporters = active
-        match = max((candidates[i][2] for i in first_supporters), default=n)
-        return proposal, support, match
+        builder = _TreeBuilder(candidates, max_depth)
+        # The heaviest path first, whole: it is what a chain drafts.
+        node, options = -1, builder.expand(list(range(len(candidates))), 0)
+        while options:
+            builder.spare.extend((node, option) for option in options[1:])
+            node = builder.add(node, options[0])
+            options = builder.expand(options[0].supporters, builder.depth[node])
+        builder.grow(max_nodes)
+        if not builder.tokens:
+            return None
+        first = builder.first_supporters
+        match = max((candidates[i][2] for i in first), default=n)
+        return builder.tree(), match
+
+
+@attrs.frozen
+class _Option:
+    """A possible tree node: its token, weight share among its siblings, sibling rank and
+    the candidates that continue with it."""
+
+    token: int
+    support: float
+    rank: int
+    supporters: list[int]
+
+
+class _TreeBuilder:
+    """Grows a lookup tree node by node (see :meth:`LookupIndex.propose_tree`)."""
+
+    def __init__(self, candidates: list[tuple[Sequence[int], int, int]], max_depth: int) -> None:
+        self.candidates = candidates
+        self.max_depth = max_depth
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.support: list[float] = []
+        self.rank: list[int] = []
+        self.depth: dict[int, int] = {-1: 0}
+        self.path_support: dict[int, float] = {-1: 1.0}
+        #: Options not added yet, as (parent, option).
+        self.spare: list[tuple[int, _Option]] = []
+        self.first_supporters: list[int] = []
+
+    def expand(self, supporters: list[int], depth: int) -> list[_Option]:
+        """The options below a node at ``depth`` that ``supporters`` reach, heaviest
+        first (none at the depth limit)."""
+        if depth >= self.max_depth:
+            return []
+        votes: dict[int, float] = {}
+        backers: dict[int, list[int]] = {}
+        for i in supporters:
+            source, start, weight = self.candidates[i]
+            if start + depth < len(source):
+                token = source[start + depth]
+                votes[token] = votes.get(token, 0.0) + float(weight)
+                backers.setdefault(token, []).append(i)
+        if not votes:
+            return []
+        total = sum(votes.values())
+        order = list(votes)
+        # Heaviest first; ties go to the token first seen latest (the most recent
+        # occurrence's), as the chain's vote always did.
+        ranked = sorted(range(len(order)), key=lambda k: (-votes[order[k]], -k))
+        return [
+            _Option(order[k], votes[order[k]] / total, rank, backers[order[k]])
+            for rank, k in enumerate(ranked)
+        ]
+
+    def add(self, parent: int, option: _Option) -> int:
+        node = len(self.tokens)
+        self.tokens.append(option.token)
+        self.parents.append(parent)
+        self.support.append(option.support)
+        self.rank.append(option.rank)
+        self.depth[node] = self.depth[parent] + 1
+        self.path_support[node] = self.path_support[parent] * option.support
+        if parent == -1:
+            self.first_supporters = option.supporters
+        return node
+
+    def grow(self, max_nodes: int) -> None:
+        """Add the best pending options (by path support) until ``max_nodes`` nodes."""
+        heap: list[tuple[float, int, int, _Option]] = []
+        counter = 0
+
+        def push(parent: int, option: _Option) -> None:
+            nonlocal counter
+            score = self.path_support[parent] * option.support
+            heapq.heappush(heap, (-score, counter, parent, option))
+            counter += 1
+
+        for parent, option in self.spare:
+            push(parent, option)
+        self.spare = []
+        while heap and len(self.tokens) < max_nodes:
+            _, _, parent, option = heapq.heappop(heap)
+            node = self.add(parent, option)
+            for child in self.expand(option.supporters, self.depth[node]):
+                push(node, child)
+
+    def tree(self) -> DraftTree:
+        return DraftTree(
+            tuple(self.tokens), tuple(self.parents), tuple(self.support), tuple(self.rank)
+        )
 
 
 def _match_length(source: Sequence[int], end: int, context: Sequence[int], cap: int) -> int:
@@ -310,18 +427,25 @@ class LookupDrafter(Drafter):
         """Up to ``min(request.budget, config.max_tokens)`` tokens; timed. Reads only the
         committed tokens it was given (``reset``/``extend``), never the model."""
         started = time.perf_counter()
-        tokens, support, match = self.index.propose(
-            min(request.budget, self.config.max_tokens),
-            max_candidates=self.config.max_candidates,
-            max_match=self.config.max_match,
+        config = self.config
+        found = self.index.propose_tree(
+            min(request.budget, config.max_tokens),
+            max_nodes=config.tree_nodes,
+            max_candidates=config.max_candidates,
+            max_match=config.max_match,
             history=[*self.history, *(peer.index for peer in self.peers)],
         )
+        if found is None:
+            return Draft((), LOOKUP, seconds=time.perf_counter() - started)
+        tree, match = found
+        chain = tree.chain()
         return Draft(
-            tuple(tokens),
+            tuple(tree.tokens[i] for i in chain),
             LOOKUP,
-            support=tuple(support),
+            support=tuple(tree.support[i] for i in chain),
             match_length=match,
             seconds=time.perf_counter() - started,
+            tree=tree if len(tree) > len(chain) else None,
         )
 
 

@@ -44,6 +44,8 @@ class PlanningContext:
         proposals: drafts already proposed for this round by the drafters the planner
             named in :meth:`Planner.proposal_drafters` (e.g. the lookup continuation);
             the planner prices them and may choose one, cut to a γ.
+        trees: whether this round may verify a proposal's token tree (a single sequence
+            on an engine that verifies trees, no logits processor); False: chains only.
     """
 
     engine: SublayerEngine
@@ -58,6 +60,7 @@ class PlanningContext:
     remaining_tokens: int | None = None
     tokens: torch.Tensor | None = None
     proposals: tuple[Draft, ...] = ()
+    trees: bool = False
 
     def proposal(self, drafter: str) -> Draft | None:
         """This round's proposal by ``drafter`` (None when it proposed nothing)."""

@@ -301,6 +301,7 @@ class KnapsackPlanner(Planner):
                 drafter=drafter,
                 predicted_acceptance=option.mean_acceptance,
                 predicted_tokens_per_second=option.tokens_per_second,
+                tree_nodes=option.tree_nodes,
             )
         if subnetwork.draft_length == 0:
             return attrs.evolve(

@@ -21,15 +21,23 @@ from typing import TYPE_CHECKING
 import attrs
 import numpy as np
 
-from knapspec.drafters.acceptance import LookupAcceptance, LookupAcceptanceConfig
+from knapspec.drafters.acceptance import (
+    BranchAcceptance,
+    LookupAcceptance,
+    LookupAcceptanceConfig,
+)
 from knapspec.drafters.base import LOOKUP
 from knapspec.planners.base import PLANNERS, Planner, PlanningContext
 from knapspec.planners.objective import FloatArray, best_chained_length
-from knapspec.types import DraftPlan, StepOutcome
+from knapspec.types import DraftPlan, DraftTree, StepOutcome
 from knapspec.validators import at_least, non_empty_string
 
 if TYPE_CHECKING:
     from knapspec.costmodels.base import CostModel
+
+#: The most tree nodes one verification holds (the row-invariant kernel's bound on the
+#: rows of one pass is 64: the nodes and the pending token).
+MAX_TREE_NODES = 63
 
 
 @attrs.frozen
@@ -43,6 +51,9 @@ class LookupOption:
         best_draft_tokens_per_second: the best predicted TPT of a cut with γ >= 1.
         acceptance: ``(L,)`` the conditional acceptance used per position.
         bucket: the acceptance bucket of the proposal.
+        tree_nodes: the proposal tree's nodes to verify when branches pay (then
+            ``draft_length`` is their deepest path); None: a chain of ``draft_length``.
+        expected_tokens: the predicted tokens per round of a tree cut (None for a chain).
     """
 
     draft_length: int
@@ -51,6 +62,8 @@ class LookupOption:
     best_draft_tokens_per_second: float
     acceptance: FloatArray
     bucket: int
+    tree_nodes: tuple[int, ...] | None = None
+    expected_tokens: float | None = None
 
     def beats(self, other: LookupOption) -> bool:
         """Whether this cut is predicted faster than ``other``'s (a drafted cut beats an
@@ -77,9 +90,11 @@ class LookupPricing:
 
     def __init__(self, config: LookupAcceptanceConfig | None = None) -> None:
         self.acceptance = LookupAcceptance(config)
+        self.branches = BranchAcceptance(self.acceptance.config)
 
     def reset(self) -> None:
         self.acceptance.reset()
+        self.branches.reset()
 
     def price(
         self, context: PlanningContext, cost_model: CostModel, max_draft: int, drafter: str = LOOKUP
@@ -98,7 +113,7 @@ class LookupPricing:
             dtype=np.float64,
         )
         gamma, tpt = best_chained_length(rates, verify)
-        return LookupOption(
+        chain = LookupOption(
             draft_length=gamma,
             tokens_per_second=float(tpt[gamma]),
             plain_tokens_per_second=float(tpt[0]),
@@ -106,14 +121,72 @@ class LookupPricing:
             acceptance=rates,
             bucket=bucket,
         )
+        if proposal.tree is None or not context.trees:
+            return chain
+        tree = self._price_tree(proposal.tree, chain, cost_model, n, max_draft)
+        return tree if tree is not None and tree.beats(chain) else chain
+
+    def _price_tree(
+        self,
+        tree: DraftTree,
+        chain: LookupOption,
+        cost_model: CostModel,
+        n: int,
+        max_draft: int,
+    ) -> LookupOption | None:
+        """The TPT-best subtree: for each size, the nodes most likely on the accepted path.
+
+        A node's probability of lying on the accepted path is the product of the
+        conditional acceptances along its path (a heaviest child: the chain's rate at its
+        depth; a side branch: :class:`BranchAcceptance`). The expected accepted drafts of
+        a node set is the sum of those probabilities, so for each size ``m`` the best set
+        is the ``m`` most probable nodes (ancestor-closed: a child is never likelier than
+        its parent). The cut maximises ``(1 + E[accepted]) / t_verify(m + 1, n)``."""
+        depths = tree.depths
+        deepest = min(max(depths), max_draft)
+        rates = self.acceptance.conditional(chain.bucket, deepest)
+        match_bucket = chain.bucket // 2
+        on_path = np.zeros(len(tree))
+        for i, (parent, depth) in enumerate(zip(tree.parents, depths, strict=True)):
+            if depth > deepest:
+                continue  # deeper than the round may draft: never kept
+            rate = float(rates[depth - 1])
+            if tree.rank[i] > 0:
+                rate = self.branches.rate(match_bucket, tree.support[i], depth, rate)
+            on_path[i] = rate * (on_path[parent] if parent >= 0 else 1.0)
+        order = sorted(
+            (i for i in range(len(tree)) if depths[i] <= deepest), key=lambda i: (-on_path[i], i)
+        )[:MAX_TREE_NODES]
+        if not order:
+            return None
+        expected = 1.0 + np.cumsum(on_path[order])
+        verify = np.array([cost_model.verify_cost(m + 2, n) for m in range(len(order))])
+        tpt = expected / verify
+        best = int(tpt.argmax())
+        kept = tuple(sorted(order[: best + 1]))
+        if tree.subtree(kept).is_chain:
+            return None  # the chain option prices it
+        return LookupOption(
+            draft_length=max(depths[i] for i in kept),
+            tokens_per_second=float(tpt[best]),
+            plain_tokens_per_second=chain.plain_tokens_per_second,
+            best_draft_tokens_per_second=max(chain.best_draft_tokens_per_second, float(tpt[best])),
+            acceptance=chain.acceptance,
+            bucket=chain.bucket,
+            tree_nodes=kept,
+            expected_tokens=float(expected[best]),
+        )
 
     def observe(self, outcome: StepOutcome, drafter: str = LOOKUP) -> None:
         """Learn from the round in hindsight (``drafter``'s proposal vs committed tokens)."""
         for draft in outcome.proposals:
             if draft.drafter == drafter:
+                bucket = self.acceptance.bucket(draft.match_length)
                 self.acceptance.observe_round(
                     draft.tokens, draft.match_length, outcome.committed_tokens
                 )
+                if draft.tree is not None:
+                    self.branches.observe_round(draft.tree, bucket // 2, outcome.committed_tokens)
                 return
         self.acceptance.observe_round((), 0, outcome.committed_tokens)
 
@@ -173,9 +246,11 @@ def lookup_plan(
     predicted_acceptance: float | None = None,
     predicted_tokens_per_second: float | None = None,
     drafter: str = LOOKUP,
+    tree_nodes: tuple[int, ...] | None = None,
 ) -> DraftPlan:
     """A plan drafting ``draft_length`` tokens of ``drafter``'s proposal (lookup by
-    default) with the planner's predictions."""
+    default) with the planner's predictions; with ``tree_nodes``, those nodes of its
+    token tree (``draft_length``: their deepest path)."""
     base = DraftPlan.autoregressive(num_layers, source=source)
     return attrs.evolve(
         base,
@@ -183,6 +258,7 @@ def lookup_plan(
         drafter=drafter,
         predicted_acceptance=predicted_acceptance,
         predicted_tokens_per_second=predicted_tokens_per_second,
+        tree_nodes=tree_nodes,
     )
 
 
