@@ -8,6 +8,14 @@
  * length, never on how many rows ride along: a one-token decode step and a k-token
  * verification give bitwise equal outputs at the same position.
  *
+ * Tree mode (knapspec_attend_tree): row r sees keys 0 .. prefix[r]-1 and, of the keys
+ * prefix[r] + t (t < 64), those whose bit t is set in visible[r]. It computes bitwise what
+ * the contiguous path computes for a row whose keys are exactly those, laid out one after
+ * the other (what the cache holds once the accepted path of a token tree is compacted):
+ * scores are per key, so the row's scores are packed in place before the softmax, and the
+ * visible tree keys' values are accumulated after the prefix's in increasing t (the same
+ * FMA sequence as in key order over the packed layout).
+ *
  * Plain C with GCC/Clang vector extensions (no torch headers: it compiles in about a
  * second); called through ctypes, which releases the GIL. Threads split rows, never one row.
  */
@@ -124,10 +132,25 @@ static void accumulate_values(float *acc, const float *weights, const float *row
     }
 }
 
+/* Row r's tree keys at or past prefix: move the visible ones' scores down to prefix,
+ * prefix + 1, ... (in place: a score only moves down) and return the packed length. Bits
+ * at or past the row's span (lengths[r] - prefix) are ignored. */
+static int64_t pack_tree_scores(float *s, int64_t prefix, uint64_t visible, int64_t span) {
+    int64_t packed = prefix;
+    for (int64_t t = 0; t < 64 && prefix + t < span; t++)
+        if ((visible >> t) & 1u) s[packed++] = s[prefix + t];
+    return packed;
+}
+
 /* Rows [0, count) of one key/value head, in one pass over its keys so that each key and
- * value is loaded (and widened) once for all of them. */
+ * value is loaded (and widened) once for all of them. With tree_prefix non-NULL (tree
+ * mode), row r's keys are as described at the top; lengths[r] is then its span,
+ * tree_prefix[r] + the bit length of tree_visible[r], and packed (count) receives the
+ * packed lengths. */
 static void attend_task(const void *query, const void *keys, const void *values, void *out,
-                        int dtype, const int64_t *lengths, int64_t count, int64_t head_dim,
+                        int dtype, const int64_t *lengths, const int64_t *tree_prefix,
+                        const uint64_t *tree_visible, int64_t *packed, int64_t count,
+                        int64_t head_dim,
                         int64_t key_stride, float scale, float *scores, float *acc,
                         float *row, float *qt, float *key_rows, float *value_rows,
                         int64_t padded_length) {
@@ -171,10 +194,19 @@ static void attend_task(const void *query, const void *keys, const void *values,
             }
         }
     }
+    /* Tree rows: from here on a row's length is its packed length (the key count of the
+     * equivalent contiguous row); contiguous rows keep theirs. */
+    const int64_t *row_length = lengths;
+    if (tree_prefix) {
+        for (int64_t r = 0; r < count; r++)
+            packed[r] = pack_tree_scores(scores + r * padded_length, tree_prefix[r],
+                                         tree_visible[r], lengths[r]);
+        row_length = packed;
+    }
     /* Softmax weights, 16 lanes at a time; lanes past the row's length become 0. */
     for (int64_t r = 0; r < count; r++) {
         float *s = scores + r * padded_length;
-        int64_t length = lengths[r];
+        int64_t length = row_length[r];
         int64_t blocks = (length + LANES - 1) / LANES;
         for (int64_t j = length; j < blocks * LANES; j++) s[j] = -INFINITY;
         float best = -INFINITY;
@@ -196,15 +228,31 @@ static void attend_task(const void *query, const void *keys, const void *values,
             load_row(values, j * key_stride, dtype, head_dim,
                      value_rows + (j - block) * padded_dim);
         for (int64_t r = 0; r < count; r++) {
-            int64_t end = lengths[r] < block_end ? lengths[r] : block_end;
+            /* A tree row takes its prefix here and its tree keys below. */
+            int64_t last = tree_prefix ? tree_prefix[r] : lengths[r];
+            int64_t end = last < block_end ? last : block_end;
             if (end <= block) continue;
             accumulate_values(acc + r * padded_dim, scores + r * padded_length + block,
                               value_rows, end - block, padded_dim);
         }
     }
+    /* Tree rows: the visible tree keys' values in increasing t, one call over them as over
+     * consecutive keys (at most 64 = VALUE_BLOCK rows of value_rows). */
+    if (tree_prefix) {
+        for (int64_t r = 0; r < count; r++) {
+            int64_t prefix = tree_prefix[r], n = 0;
+            for (int64_t t = 0; t < 64 && prefix + t < lengths[r]; t++)
+                if ((tree_visible[r] >> t) & 1u)
+                    load_row(values, (prefix + t) * key_stride, dtype, head_dim,
+                             value_rows + (n++) * padded_dim);
+            if (n > 0)
+                accumulate_values(acc + r * padded_dim, scores + r * padded_length + prefix,
+                                  value_rows, n, padded_dim);
+        }
+    }
     for (int64_t r = 0; r < count; r++) {
         const float *s = scores + r * padded_length;
-        int64_t blocks = (lengths[r] + LANES - 1) / LANES;
+        int64_t blocks = (row_length[r] + LANES - 1) / LANES;
         vfloat lanes = {0};
         for (int64_t b = 0; b < blocks; b++) {
             vfloat v;
@@ -229,13 +277,16 @@ static void attend_task(const void *query, const void *keys, const void *values,
 /* query/out: (kv_heads, rows_per_kv_head, head_dim) contiguous (the query heads of one
  * key/value head folded into its rows); keys/values: per K/V head key_head_stride elements
  * apart, keys key_stride apart; lengths: (kv_heads * rows_per_kv_head) keys each row sees
- * (0 .. length-1, at most max_length). Work is split into tasks of at most chunk rows.
- * Returns 0, or 2 when memory could not be had. */
-int knapspec_attend(const void *query, const void *keys, const void *values, void *out,
-                    const int64_t *lengths, int dtype, int64_t kv_heads,
-                    int64_t rows_per_kv_head, int64_t head_dim, int64_t key_head_stride,
-                    int64_t key_stride, int64_t max_length, int64_t chunk, float scale,
-                    int threads) {
+ * (0 .. length-1, at most max_length). tree_prefix/tree_visible: NULL, or per row (same
+ * layout as lengths) the tree visibility described at the top, lengths[r] then being
+ * tree_prefix[r] + the bit length of tree_visible[r]. Work is split into tasks of at most
+ * chunk rows. Returns 0, or 2 when memory could not be had. */
+int knapspec_attend_tree(const void *query, const void *keys, const void *values, void *out,
+                         const int64_t *lengths, const int64_t *tree_prefix,
+                         const uint64_t *tree_visible, int dtype, int64_t kv_heads,
+                         int64_t rows_per_kv_head, int64_t head_dim, int64_t key_head_stride,
+                         int64_t key_stride, int64_t max_length, int64_t chunk, float scale,
+                         int threads) {
     if (chunk < 1) chunk = 1;
     if (chunk > rows_per_kv_head) chunk = rows_per_kv_head;
     int64_t chunks_per_head = (rows_per_kv_head + chunk - 1) / chunk;
@@ -254,7 +305,8 @@ int knapspec_attend(const void *query, const void *keys, const void *values, voi
         float *key_rows = malloc(sizeof(float) * (size_t)(4 * head_dim));
         float *value_rows = calloc((size_t)(VALUE_BLOCK * padded_dim), sizeof(float));
         float *scores = aligned_alloc(64, sizeof(float) * (size_t)(chunk * padded_length));
-        if (!acc || !row || !qt || !key_rows || !value_rows || !scores) {
+        int64_t *packed = malloc(sizeof(int64_t) * (size_t)chunk);
+        if (!acc || !row || !qt || !key_rows || !value_rows || !scores || !packed) {
 #pragma omp atomic write
             failed = 2;
         } else {
@@ -264,14 +316,16 @@ int knapspec_attend(const void *query, const void *keys, const void *values, voi
                 int64_t first = (task % chunks_per_head) * chunk;
                 int64_t count =
                     rows_per_kv_head - first < chunk ? rows_per_kv_head - first : chunk;
-                int64_t offset = (kv * rows_per_kv_head + first) * head_dim;
+                int64_t first_row = kv * rows_per_kv_head + first;
+                int64_t offset = first_row * head_dim;
                 attend_task((const char *)query + offset * element,
                             (const char *)keys + kv * key_head_stride * element,
                             (const char *)values + kv * key_head_stride * element,
-                            (char *)out + offset * element, dtype,
-                            lengths + kv * rows_per_kv_head + first, count, head_dim,
-                            key_stride, scale, scores, acc, row, qt, key_rows, value_rows,
-                            padded_length);
+                            (char *)out + offset * element, dtype, lengths + first_row,
+                            tree_prefix ? tree_prefix + first_row : NULL,
+                            tree_visible ? tree_visible + first_row : NULL, packed, count,
+                            head_dim, key_stride, scale, scores, acc, row, qt, key_rows,
+                            value_rows, padded_length);
             }
         }
         free(acc);
@@ -280,6 +334,18 @@ int knapspec_attend(const void *query, const void *keys, const void *values, voi
         free(key_rows);
         free(value_rows);
         free(scores);
+        free(packed);
     }
     return failed;
+}
+
+/* The contiguous kernel: every row sees keys 0 .. lengths[r]-1 (arguments as above). */
+int knapspec_attend(const void *query, const void *keys, const void *values, void *out,
+                    const int64_t *lengths, int dtype, int64_t kv_heads,
+                    int64_t rows_per_kv_head, int64_t head_dim, int64_t key_head_stride,
+                    int64_t key_stride, int64_t max_length, int64_t chunk, float scale,
+                    int threads) {
+    return knapspec_attend_tree(query, keys, values, out, lengths, NULL, NULL, dtype,
+                                kv_heads, rows_per_kv_head, head_dim, key_head_stride,
+                                key_stride, max_length, chunk, scale, threads);
 }
