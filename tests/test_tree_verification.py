@@ -125,6 +125,26 @@ def test_the_tree_kernel_equals_the_contiguous_kernel_on_packed_keys(
         assert torch.equal(together[:, i : i + 1], expected), f"row {i}"
 
 
+@pytest.mark.parametrize("threads", [2, 4])
+def test_tree_rows_split_over_threads_are_unchanged(threads: int) -> None:
+    """Three K/V heads over 2 or 4 threads: tasks take a K/V head's rows in chunks (7 rows,
+    across query positions, with 4), each reading its rows' visibility at ``row % q``."""
+    generator = torch.Generator().manual_seed(11)
+    rows, start = 13, 40
+    query = torch.randn(6, rows, 16, generator=generator)
+    keys = torch.randn(3, start + rows, 16, generator=generator)
+    values = torch.randn(3, start + rows, 16, generator=generator)
+    tree = tree_layout(_random_parents(rows, 4), start, rows)
+    alone = attend_tree_rows(query, keys, values, tree.prefix, tree.visible, 0.25)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        split = attend_tree_rows(query, keys, values, tree.prefix, tree.visible, 0.25)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(split, alone)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_full_tree_mask_is_the_contiguous_kernel(dtype: torch.dtype) -> None:
     """Rows that see every key up to their own are the causal rows of ``attend_rows``

@@ -131,6 +131,7 @@ def load_library() -> ctypes.CDLL | None:
             function.restype = ctypes.c_int
             function.argtypes = [
                 *(ctypes.c_void_p,) * 7,
+                ctypes.c_int64,
                 ctypes.c_int,
                 *(ctypes.c_int64,) * 7,
                 ctypes.c_float,
@@ -177,7 +178,9 @@ def attend_rows(
     library = load_library() if query.device.type == "cpu" and query.dtype in _DTYPES else None
     if library is None:
         return _attend_one_by_one(query, keys, values, lengths, scale)
-    return _run_kernel(library, query, keys, values, lengths, None, scale)
+    out = _run_kernel(library, query, keys, values, lengths, None, scale)
+    assert out is not None  # only tree rows are ever refused
+    return out
 
 
 def attend_tree_rows(
@@ -204,32 +207,40 @@ def attend_tree_rows(
         gathered into consecutive positions (length ``prefix[i] + popcount(visible[i])``),
         on the compiled kernel and on the fallback alike.
     """
-    n_keys = keys.shape[1]
-    prefixes = [int(p) for p in prefix.tolist()]
-    masks = [int(m) & _ALL_BITS for m in visible.tolist()]
-    if len(prefixes) != query.shape[1] or len(masks) != query.shape[1]:
+    if prefix.shape != (query.shape[1],) or visible.shape != (query.shape[1],):
         raise ValueError(
-            f"prefix and visible need one entry per query row ({query.shape[1]}), got "
-            f"{len(prefixes)} and {len(masks)}"
+            f"prefix and visible need one entry per query row ({query.shape[1]}), got shapes "
+            f"{tuple(prefix.shape)} and {tuple(visible.shape)}"
         )
-    spans = []
-    for row, (first, mask) in enumerate(zip(prefixes, masks, strict=True)):
+    library = load_library() if query.device.type == "cpu" and query.dtype in _DTYPES else None
+    if library is None:
+        rows = [
+            torch.cat([torch.arange(first), first + _bit_positions(mask)])
+            for first, mask in _tree_rows(prefix, visible, keys.shape[1])
+        ]
+        return _attend_one_by_one(query, keys, values, None, scale, rows)
+    # The kernel checks the rows itself (status 3): no Python loop per layer on this path.
+    tree = (prefix.to("cpu", torch.int64), visible.to("cpu", torch.int64))
+    out = _run_kernel(library, query, keys, values, None, tree, scale)
+    if out is None:
+        _tree_rows(prefix, visible, keys.shape[1])  # raises, saying which row
+        raise AssertionError("the kernel refused tree rows that pass the Python check")
+    return out
+
+
+def _tree_rows(prefix: torch.Tensor, visible: torch.Tensor, n_keys: int) -> list[tuple[int, int]]:
+    """``(prefix, unsigned mask)`` per tree row, checked against ``n_keys`` keys."""
+    rows = []
+    for row, (first, signed) in enumerate(zip(prefix.tolist(), visible.tolist(), strict=True)):
+        mask = int(signed) & _ALL_BITS
         span = first + mask.bit_length()
         if first < 0 or span > n_keys or first + mask.bit_count() == 0:
             raise ValueError(
                 f"row {row}: prefix {first} with visible mask {mask:#x} needs keys "
                 f"0 .. {span - 1} of {n_keys} and at least one visible key"
             )
-        spans.append(span)
-    library = load_library() if query.device.type == "cpu" and query.dtype in _DTYPES else None
-    if library is None:
-        rows = [
-            torch.cat([torch.arange(first), first + _bit_positions(mask)])
-            for first, mask in zip(prefixes, masks, strict=True)
-        ]
-        return _attend_one_by_one(query, keys, values, None, scale, rows)
-    tree = (prefix.to("cpu", torch.int64), visible.to("cpu", torch.int64))
-    return _run_kernel(library, query, keys, values, torch.tensor(spans), tree, scale)
+        rows.append((int(first), mask))
+    return rows
 
 
 def _bit_positions(mask: int) -> torch.Tensor:
@@ -242,22 +253,23 @@ def _run_kernel(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    lengths: torch.Tensor,
+    lengths: torch.Tensor | None,
     tree: tuple[torch.Tensor, torch.Tensor] | None,
     scale: float,
-) -> torch.Tensor:
-    """One call of the compiled kernel: contiguous rows (``tree`` None) or tree rows
-    (``tree = (prefix, visible)``, ``lengths`` their spans), all ``(q,)`` int64."""
+) -> torch.Tensor | None:
+    """One call of the compiled kernel: contiguous rows (``lengths``) or tree rows
+    (``tree = (prefix, visible)``), all ``(q,)`` int64. None when the kernel refuses a
+    tree row (one that sees no key, or keys past ``N``)."""
     heads, q_len, head_dim = query.shape
     kv_heads, n_keys, _ = keys.shape
     if keys.stride() != values.stride() or keys.stride(-1) != 1:
         keys, values = keys.contiguous(), values.contiguous()
     query = query.contiguous()
     out = torch.empty_like(query)
-    # Row (h, i) of head h = g * groups + t sits at row t * q + i of K/V head g's block.
-    row_lengths = lengths.to(torch.int64).repeat(heads).contiguous()
-    per_row = [t.to(torch.int64).repeat(heads).contiguous() for t in tree or ()]
-    pointers: list[int | None] = [t.data_ptr() for t in per_row] or [None, None]
+    # Row (h, i) of head h = g * groups + t sits at row t * q + i of K/V head g's block:
+    # lengths are repeated per head; tree rows are read at row % q by the kernel.
+    row_lengths = None if lengths is None else lengths.to(torch.int64).repeat(heads).contiguous()
+    prefix, visible = (t.to(torch.int64).contiguous() for t in tree) if tree else (None, None)
     rows_per_kv_head = heads // kv_heads * q_len
     threads = torch.get_num_threads()
     status = library.knapspec_attend_tree(
@@ -265,8 +277,8 @@ def _run_kernel(
         keys.data_ptr(),
         values.data_ptr(),
         out.data_ptr(),
-        row_lengths.data_ptr(),
-        *pointers,
+        *(t.data_ptr() if t is not None else None for t in (row_lengths, prefix, visible)),
+        q_len,
         _DTYPES[query.dtype],
         kv_heads,
         rows_per_kv_head,
@@ -278,7 +290,9 @@ def _run_kernel(
         float(scale),
         threads,
     )
-    if status:  # only an allocation failure
+    if status == 3:
+        return None
+    if status:  # an allocation failure
         raise RuntimeError(f"row-invariant attention kernel failed (status {status})")
     return out
 
