@@ -138,7 +138,7 @@ static inline int64_t tree_span(int64_t prefix, uint64_t visible) {
     return prefix + (visible ? 64 - __builtin_clzll(visible) : 0);
 }
 
-/* The visible tree keys below prefix + t (0 <= t <= 64). */
+/* The visible tree keys below prefix + t (t >= 0). */
 static inline int64_t visible_below(uint64_t visible, int64_t t) {
     return t >= 64 ? __builtin_popcountll(visible)
                    : __builtin_popcountll(visible & ((UINT64_C(1) << t) - 1));
@@ -310,10 +310,9 @@ static void attend_task(const void *query, const void *keys, const void *values,
 int knapspec_attend_tree(const void *query, const void *keys, const void *values, void *out,
                          const int64_t *lengths, const int64_t *tree_prefix,
                          const uint64_t *tree_visible, int64_t tree_period, int dtype,
-                         int64_t kv_heads,
-                         int64_t rows_per_kv_head, int64_t head_dim, int64_t key_head_stride,
-                         int64_t key_stride, int64_t max_length, int64_t chunk, float scale,
-                         int threads) {
+                         int64_t kv_heads, int64_t rows_per_kv_head, int64_t head_dim,
+                         int64_t key_head_stride, int64_t key_stride, int64_t max_length,
+                         int64_t chunk, float scale, int threads) {
     if (chunk < 1) chunk = 1;
     if (chunk > rows_per_kv_head) chunk = rows_per_kv_head;
     int64_t chunks_per_head = (rows_per_kv_head + chunk - 1) / chunk;
@@ -368,8 +367,7 @@ int knapspec_attend_tree(const void *query, const void *keys, const void *values
                             (char *)out + offset * element, dtype,
                             tree_prefix ? spans : lengths + first_row,
                             tree_prefix ? prefixes : NULL, tree_prefix ? masks : NULL, packed,
-                            count,
-                            head_dim, key_stride, scale, scores, acc, row, qt, key_rows,
+                            count, head_dim, key_stride, scale, scores, acc, row, qt, key_rows,
                             value_rows, padded_length);
             }
         }
