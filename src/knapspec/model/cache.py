@@ -9,6 +9,9 @@ moves a per-layer length pointer. Layers may differ in length after a layer-skip
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import torch
 
 
@@ -103,6 +106,37 @@ class KVCache:
         if length < 0:
             raise ValueError(f"crop length must be >= 0, got {length}")
         self.lengths = [min(n, length) for n in self.lengths]
+
+    def compact(self, start: int, slots: Sequence[int]) -> None:
+        """Keep, of a token tree verified at ``start``, the nodes at ``slots`` (its accepted
+        path): every layer's K/V at ``start + slots[j]`` move to ``start + j`` and every
+        layer then holds ``start + len(slots)`` tokens.
+
+        Args:
+            start: slot of the tree's node 0 (the pending token).
+            slots: increasing offsets from ``start``, ``slots[0] == 0``; each layer must hold
+                ``start + slots[-1] + 1`` tokens or more.
+
+        Only the slots that move are copied (none for ``slots == range(len(slots))``).
+        """
+        kept = [int(s) for s in slots]
+        if not kept or kept[0] != 0 or any(b <= a for a, b in itertools.pairwise(kept)):
+            raise ValueError(f"slots must be increasing and start with 0, got {kept}")
+        end = start + kept[-1] + 1
+        if start < 0 or min(self.lengths) < end:
+            raise ValueError(
+                f"cannot keep slots up to {end - 1}: the shortest layer holds "
+                f"{min(self.lengths)} tokens (start {start})"
+            )
+        # slots[j] >= j, so the leading run with slots[j] == j is already in place.
+        first = next((j for j, slot in enumerate(kept) if slot != j), len(kept))
+        if first < len(kept):
+            source = torch.tensor(kept[first:], device=self.device) + start
+            for buffers in (self._keys, self._values):
+                for layer_buffer in buffers:
+                    moved = layer_buffer.index_select(1, source)  # a copy: no overlap hazard
+                    layer_buffer[:, start + first : start + len(kept)].copy_(moved)
+        self.lengths = [start + len(kept)] * self.num_layers
 
     def reset(self) -> None:
         """Forget every token (buffers are kept for reuse)."""

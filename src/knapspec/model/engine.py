@@ -17,16 +17,16 @@ LM head) and owns only the attention arithmetic and the KV cache, so that it can
 Supported: decoder layers of the Llama layout (input norm, self-attention, post-attention
 norm, MLP) with full causal attention — Llama, Mistral, Qwen2, Qwen3.
 
-Size: over 450 lines because full forwards, single items and batched DP items share one
-attention and MLP implementation and the cache layout; the kernels, the cache and weight
-fusion already live in their own modules.
+Size: over 450 lines because full forwards, tree verification, single items and batched
+DP items share one attention and MLP implementation and the cache layout; the kernels,
+the cache, token trees and weight fusion already live in their own modules.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -41,7 +41,13 @@ from knapspec.model.invariance import InvarianceReport, row_invariant_table
 from knapspec.model.kernel_timing import linear_roles
 from knapspec.model.kernels import KERNELS, ONEDNN_KERNEL, PLAIN_KERNEL, Kernel, KernelTable
 from knapspec.model.onednn import prepack
-from knapspec.model.row_attention import EXACT_MAX_QUERIES, attend_rows, kernel_available
+from knapspec.model.row_attention import (
+    EXACT_MAX_QUERIES,
+    attend_rows,
+    attend_tree_rows,
+    kernel_available,
+)
+from knapspec.model.tree import TreeLayout, tree_layout
 from knapspec.types import SublayerMask
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
@@ -539,6 +545,21 @@ class SublayerEngine:
             )
         return torch.cat(blocks, dim=1)
 
+    def _attend_tree(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tree: TreeLayout
+    ) -> torch.Tensor:
+        """Tree attention (:meth:`forward_tree`): ``query (1, H, q, hd)``, ``keys/values
+        (1, kvH, start + q, hd)`` -> ``(1, q, H * hd)``. Exact engines use the tree mode of
+        the row-invariant kernel (or its exact one-row-at-a-time fallback), bitwise a
+        one-token step on the compacted path; others one masked SDPA call (correct up to
+        rounding)."""
+        if not self.exact:
+            return self._attend(query, keys, values, tree.mask(self.device))
+        out = attend_tree_rows(
+            query[0], keys[0], values[0], tree.prefix, tree.visible, self.attention_scale
+        )
+        return out.transpose(0, 1).reshape(1, tree.size, self.num_heads * self.head_dim)
+
     def _attention_item(
         self,
         layer_index: int,
@@ -547,8 +568,11 @@ class SublayerEngine:
         cos: torch.Tensor,
         sin: torch.Tensor,
         cache: KVCache,
+        tree: TreeLayout | None = None,
     ) -> torch.Tensor:
-        """Run layer ``layer_index``'s attention item on ``hidden (1, q, d)``, writing K/V."""
+        """Run layer ``layer_index``'s attention item on ``hidden (1, q, d)``, writing K/V
+        (with ``tree``, node ``i`` at slot ``start + i``, attending as :meth:`forward_tree`
+        says)."""
         layer = self.layers[layer_index]
         q_len = hidden.shape[1]
         query, key, value = self.project_qkv(layer_index, layer.input_layernorm(hidden), cos, sin)
@@ -556,7 +580,9 @@ class SublayerEngine:
         end = start + q_len
         keys = cache.keys(layer_index, end).unsqueeze(0)
         values = cache.values(layer_index, end).unsqueeze(0)
-        if self.chunk_invariant:
+        if tree is not None:
+            attended = self._attend_tree(query, keys, values, tree)
+        elif self.chunk_invariant:
             attended = self._attend_blocks(query[0], keys[0], values[0], start)
         elif self.exact and (start > 0 or q_len == 1) and q_len <= EXACT_MAX_QUERIES:
             attended = self.attend_exact(query[0], keys[0], values[0], start)
@@ -639,6 +665,61 @@ class SublayerEngine:
         if capture_points:
             stacked = torch.stack(points) if copy else torch.stack(points)[:, 0, keep]
         return ForwardOutput(logits=logits, hidden=final, points=stacked)
+
+    @torch.inference_mode()
+    def forward_tree(
+        self,
+        token_ids: torch.Tensor,
+        start: int,
+        parents: torch.Tensor | Sequence[int],
+        cache: KVCache,
+        *,
+        capture_points: bool = False,
+    ) -> ForwardOutput:
+        """Verify a token tree in one pass of the full model.
+
+        Node ``i`` sits at position ``start + depth(i)``; its K/V are written at slot
+        ``start + i`` of every layer, and it attends to positions ``0 .. start - 1`` and to
+        its ancestors and itself (:mod:`knapspec.model.tree`). On an exact engine each
+        node's logits and K/V are bitwise those of one-token steps along its root-to-node
+        path (after :meth:`KVCache.compact` of that path, the cache is bitwise theirs too);
+        a chain (``parents = [-1, 0, 1, ...]``) gives bitwise :meth:`forward`'s logits.
+        An engine built with ``exact=False`` attends through one masked SDPA call
+        (correct up to rounding).
+
+        Args:
+            token_ids: ``(q,)`` with ``1 <= q <= EXACT_MAX_QUERIES``; node 0 is the pending
+                token at position ``start``.
+            start: every layer must hold exactly the positions before it.
+            parents: ``(q,)``: ``parents[0] == -1`` and ``0 <= parents[i] < i``.
+            capture_points: also return the residual stream at all ``2L + 1`` points.
+
+        Returns:
+            :class:`ForwardOutput`: logits ``(q, vocab)`` float32, hidden ``(q, d_model)``,
+            points ``(2L + 1, q, d_model)`` when captured.
+
+        Raises:
+            ValueError: on malformed ``token_ids`` or ``parents`` (see
+                :func:`knapspec.model.tree.tree_layout`).
+        """
+        if token_ids.dim() != 1 or token_ids.numel() == 0:
+            raise ValueError(
+                f"token_ids must be a non-empty 1-D tensor, got shape {tuple(token_ids.shape)}"
+            )
+        q_len = token_ids.numel()
+        tree = tree_layout(parents, start, q_len)
+        self.check_context(start + q_len)
+        hidden = self.embed_tokens(token_ids.to(self.device)).unsqueeze(0)
+        cos, sin = self.rotary(tree.positions.to(self.device), hidden)
+        points: list[torch.Tensor] = [hidden[0]] if capture_points else []
+        for layer_index in range(self.num_layers):
+            hidden = self._attention_item(layer_index, hidden, start, cos, sin, cache, tree)
+            points += [hidden[0]] if capture_points else []
+            hidden = self.mlp_item(layer_index, hidden)
+            points += [hidden[0]] if capture_points else []
+        final = hidden[0]
+        stacked = torch.stack(points) if capture_points else None
+        return ForwardOutput(logits=self.logits(final), hidden=final, points=stacked)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: ``(..., d_model) -> (..., vocab)`` in float32."""

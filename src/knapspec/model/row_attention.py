@@ -14,6 +14,12 @@ are in the call: the output of a row depends only on its query, the keys and val
 see and their count. A one-token step and a ``k``-token verification then agree bitwise by
 construction, not by luck of the BLAS.
 
+Tree verification (:func:`attend_tree_rows`) runs the same kernel in tree mode: a row sees
+a contiguous prefix of keys and then any subset of the next 64 (its ancestors in a token
+tree and itself), and computes bitwise what the contiguous kernel computes over exactly
+those keys laid out one after the other, which is what the cache holds once the accepted
+path has been compacted (:meth:`knapspec.model.cache.KVCache.compact`).
+
 The kernel is compiled on first use with the system C compiler (about a second, with
 ``-march=native`` for the machine at hand) into the per-user cache, keyed by the source,
 the compiler and the CPU's flags. Where no compiler works the engine falls back to one
@@ -48,6 +54,9 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-Wno-psabi")
 #: the row-invariant kernel when the engine is exact; a longer chunk is a prefill, which
 #: plain and speculative decoding share, and runs PyTorch's fused attention.
 EXACT_MAX_QUERIES = 64
+
+#: A tree row's visibility mask as an unsigned 64-bit value.
+_ALL_BITS = (1 << 64) - 1
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -118,10 +127,11 @@ def load_library() -> ctypes.CDLL | None:
                 logger.info("knapspec: compiling the row-invariant attention kernel into %s", path)
                 _build(path)
             library = ctypes.CDLL(str(path))
-            function = library.knapspec_attend
+            function = library.knapspec_attend_tree
             function.restype = ctypes.c_int
             function.argtypes = [
-                *(ctypes.c_void_p,) * 5,
+                *(ctypes.c_void_p,) * 7,
+                ctypes.c_int64,
                 ctypes.c_int,
                 *(ctypes.c_int64,) * 7,
                 ctypes.c_float,
@@ -165,27 +175,110 @@ def attend_rows(
         ``(H, q, hd)`` in the query's dtype. Row ``(h, i)`` is a function of
         ``query[h, i]``, ``keys/values[h // groups, :lengths[i]]`` alone (bitwise).
     """
-    heads, q_len, head_dim = query.shape
-    kv_heads, n_keys, _ = keys.shape
-    if query.device.type != "cpu" or query.dtype not in _DTYPES:
-        return _attend_one_by_one(query, keys, values, lengths, scale)
-    library = load_library()
+    library = load_library() if query.device.type == "cpu" and query.dtype in _DTYPES else None
     if library is None:
         return _attend_one_by_one(query, keys, values, lengths, scale)
+    out = _run_kernel(library, query, keys, values, lengths, None, scale)
+    assert out is not None  # only tree rows are ever refused
+    return out
+
+
+def attend_tree_rows(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    prefix: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`attend_rows` where row ``i`` sees keys ``0 .. prefix[i] - 1`` and the keys
+    ``prefix[i] + t`` (``0 <= t < 64``) whose bit ``t`` is set in ``visible[i]``.
+
+    Args:
+        query: ``(H, q, hd)``; keys, values: ``(kvH, N, hd)``, as for :func:`attend_rows`.
+        prefix: ``(q,)`` int64, ``>= 0``.
+        visible: ``(q,)`` int64 holding 64-bit masks (bit 63 is the sign bit); every visible
+            key must exist (``prefix[i] + t < N``) and every row must see at least one key.
+        scale: the softmax scale.
+
+    Returns:
+        ``(H, q, hd)`` in the query's dtype. Row ``(h, i)`` is bitwise what
+        :func:`attend_rows` computes for that query over the row's visible keys and values
+        gathered into consecutive positions (length ``prefix[i] + popcount(visible[i])``),
+        on the compiled kernel and on the fallback alike.
+    """
+    if prefix.shape != (query.shape[1],) or visible.shape != (query.shape[1],):
+        raise ValueError(
+            f"prefix and visible need one entry per query row ({query.shape[1]}), got shapes "
+            f"{tuple(prefix.shape)} and {tuple(visible.shape)}"
+        )
+    library = load_library() if query.device.type == "cpu" and query.dtype in _DTYPES else None
+    if library is None:
+        rows = [
+            torch.cat([torch.arange(first), first + _bit_positions(mask)])
+            for first, mask in _tree_rows(prefix, visible, keys.shape[1])
+        ]
+        return _attend_one_by_one(query, keys, values, None, scale, rows)
+    # The kernel checks the rows itself (status 3): no Python loop per layer on this path.
+    tree = (prefix.to("cpu", torch.int64), visible.to("cpu", torch.int64))
+    out = _run_kernel(library, query, keys, values, None, tree, scale)
+    if out is None:
+        _tree_rows(prefix, visible, keys.shape[1])  # raises, saying which row
+        raise AssertionError("the kernel refused tree rows that pass the Python check")
+    return out
+
+
+def _tree_rows(prefix: torch.Tensor, visible: torch.Tensor, n_keys: int) -> list[tuple[int, int]]:
+    """``(prefix, unsigned mask)`` per tree row, checked against ``n_keys`` keys."""
+    rows = []
+    for row, (first, signed) in enumerate(zip(prefix.tolist(), visible.tolist(), strict=True)):
+        mask = int(signed) & _ALL_BITS
+        span = first + mask.bit_length()
+        if first < 0 or span > n_keys or first + mask.bit_count() == 0:
+            raise ValueError(
+                f"row {row}: prefix {first} with visible mask {mask:#x} needs keys "
+                f"0 .. {span - 1} of {n_keys} and at least one visible key"
+            )
+        rows.append((int(first), mask))
+    return rows
+
+
+def _bit_positions(mask: int) -> torch.Tensor:
+    """``(popcount,)`` int64: the set bits of ``mask``, increasing."""
+    return torch.tensor([t for t in range(mask.bit_length()) if mask >> t & 1], dtype=torch.int64)
+
+
+def _run_kernel(
+    library: ctypes.CDLL,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    lengths: torch.Tensor | None,
+    tree: tuple[torch.Tensor, torch.Tensor] | None,
+    scale: float,
+) -> torch.Tensor | None:
+    """One call of the compiled kernel: contiguous rows (``lengths``) or tree rows
+    (``tree = (prefix, visible)``), all ``(q,)`` int64. None when the kernel refuses a
+    tree row (one that sees no key, or keys past ``N``)."""
+    heads, q_len, head_dim = query.shape
+    kv_heads, n_keys, _ = keys.shape
     if keys.stride() != values.stride() or keys.stride(-1) != 1:
         keys, values = keys.contiguous(), values.contiguous()
     query = query.contiguous()
     out = torch.empty_like(query)
-    # Row (h, i) of head h = g * groups + t sits at row t * q + i of K/V head g's block.
-    row_lengths = lengths.to(torch.int64).repeat(heads).contiguous()
+    # Row (h, i) of head h = g * groups + t sits at row t * q + i of K/V head g's block:
+    # lengths are repeated per head; tree rows are read at row % q by the kernel.
+    row_lengths = None if lengths is None else lengths.to(torch.int64).repeat(heads).contiguous()
+    prefix, visible = (t.to(torch.int64).contiguous() for t in tree) if tree else (None, None)
     rows_per_kv_head = heads // kv_heads * q_len
     threads = torch.get_num_threads()
-    status = library.knapspec_attend(
+    status = library.knapspec_attend_tree(
         query.data_ptr(),
         keys.data_ptr(),
         values.data_ptr(),
         out.data_ptr(),
-        row_lengths.data_ptr(),
+        *(t.data_ptr() if t is not None else None for t in (row_lengths, prefix, visible)),
+        q_len,
         _DTYPES[query.dtype],
         kv_heads,
         rows_per_kv_head,
@@ -197,7 +290,9 @@ def attend_rows(
         float(scale),
         threads,
     )
-    if status:  # only an allocation failure
+    if status == 3:
+        return None
+    if status:  # an allocation failure
         raise RuntimeError(f"row-invariant attention kernel failed (status {status})")
     return out
 
@@ -214,20 +309,29 @@ def _attend_one_by_one(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    lengths: torch.Tensor,
+    lengths: torch.Tensor | None,
     scale: float,
+    gathered: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The fallback: each query position in its own one-query call (what a one-token step
-    runs), so every row is computed exactly as a one-token step computes it."""
-    heads, _, head_dim = query.shape
+    runs), so every row is computed exactly as a one-token step computes it. Row ``i``
+    sees keys ``0 .. lengths[i] - 1``, or with ``gathered`` (tree rows) the keys at the
+    increasing indices ``gathered[i]``, copied together first."""
+    heads, q_len, head_dim = query.shape
     kv_heads = keys.shape[0]
     groups = heads // kv_heads
+    ends = lengths.tolist() if lengths is not None else [0] * q_len
     rows = []
-    for i, length in enumerate(lengths.tolist()):
+    for i in range(q_len):
         packed = query[:, i].reshape(1, kv_heads, groups, head_dim)
+        if gathered is None:  # a view of the first keys, as a one-token step reads them
+            row_keys, row_values = keys[:, : ends[i]], values[:, : ends[i]]
+        else:
+            index = gathered[i].to(keys.device)
+            row_keys, row_values = keys.index_select(1, index), values.index_select(1, index)
         rows.append(
             F.scaled_dot_product_attention(
-                packed, keys[None, :, :length], values[None, :, :length], scale=scale
+                packed, row_keys[None], row_values[None], scale=scale
             ).reshape(heads, 1, head_dim)
         )
     return torch.cat(rows, dim=1)

@@ -8,6 +8,15 @@
  * length, never on how many rows ride along: a one-token decode step and a k-token
  * verification give bitwise equal outputs at the same position.
  *
+ * Tree mode (knapspec_attend_tree): row r sees keys 0 .. prefix[r]-1 and, of the keys
+ * prefix[r] + t (t < 64), those whose bit t is set in visible[r]. It computes bitwise what
+ * the contiguous path computes for a row whose keys are exactly those, laid out one after
+ * the other (what the cache holds once the accepted path of a token tree is compacted):
+ * scores are per key, so the row's scores are packed in place before the softmax, and the
+ * visible tree keys' values are accumulated after the prefix's in increasing t, run by run
+ * of consecutive visible keys (the same FMA sequence as in key order over the packed
+ * layout: splitting an accumulation into calls changes no bit).
+ *
  * Plain C with GCC/Clang vector extensions (no torch headers: it compiles in about a
  * second); called through ctypes, which releases the GIL. Threads split rows, never one row.
  */
@@ -124,10 +133,58 @@ static void accumulate_values(float *acc, const float *weights, const float *row
     }
 }
 
+/* The keys a tree row spans: its prefix and its tree keys up to the last visible one. */
+static inline int64_t tree_span(int64_t prefix, uint64_t visible) {
+    return prefix + (visible ? 64 - __builtin_clzll(visible) : 0);
+}
+
+/* The visible tree keys below prefix + t (t >= 0). */
+static inline int64_t visible_below(uint64_t visible, int64_t t) {
+    return t >= 64 ? __builtin_popcountll(visible)
+                   : __builtin_popcountll(visible & ((UINT64_C(1) << t) - 1));
+}
+
+/* Move a tree row's visible tree scores down to prefix, prefix + 1, ... (in place: a
+ * score only moves down) and return the packed length. */
+static int64_t pack_tree_scores(float *s, int64_t prefix, uint64_t visible) {
+    int64_t packed = prefix;
+    for (int64_t t = 0; t < 64; t++)
+        if ((visible >> t) & 1u) s[packed++] = s[prefix + t];
+    return packed;
+}
+
+/* A tree row's values for the keys [block, block_end) it sees, in key order: its prefix
+ * keys, then each run of consecutive visible tree keys (weights at their packed
+ * positions). value_rows holds the block's keys, widened. */
+static void accumulate_tree_block(float *acc, const float *s, const float *value_rows,
+                                  int64_t prefix, uint64_t visible, int64_t block,
+                                  int64_t block_end, int64_t span, int64_t dim) {
+    int64_t end = prefix < block_end ? prefix : block_end;
+    if (end > block) accumulate_values(acc, s + block, value_rows, end - block, dim);
+    int64_t j = block > prefix ? block : prefix;
+    int64_t stop = span < block_end ? span : block_end;
+    int64_t packed = prefix + visible_below(visible, j - prefix);
+    while (j < stop) {
+        if (!((visible >> (j - prefix)) & 1u)) {
+            j++;
+            continue;
+        }
+        int64_t run = j + 1;
+        while (run < stop && ((visible >> (run - prefix)) & 1u)) run++;
+        accumulate_values(acc, s + packed, value_rows + (j - block) * dim, run - j, dim);
+        packed += run - j;
+        j = run;
+    }
+}
+
 /* Rows [0, count) of one key/value head, in one pass over its keys so that each key and
- * value is loaded (and widened) once for all of them. */
+ * value is loaded (and widened) once for all of them. With tree_prefix non-NULL (tree
+ * mode), row r's keys are as described at the top; lengths[r] is then its tree_span, and
+ * packed (count) receives the packed lengths. */
 static void attend_task(const void *query, const void *keys, const void *values, void *out,
-                        int dtype, const int64_t *lengths, int64_t count, int64_t head_dim,
+                        int dtype, const int64_t *lengths, const int64_t *tree_prefix,
+                        const uint64_t *tree_visible, int64_t *packed, int64_t count,
+                        int64_t head_dim,
                         int64_t key_stride, float scale, float *scores, float *acc,
                         float *row, float *qt, float *key_rows, float *value_rows,
                         int64_t padded_length) {
@@ -171,10 +228,19 @@ static void attend_task(const void *query, const void *keys, const void *values,
             }
         }
     }
+    /* Tree rows: from here on a row's length is its packed length (the key count of the
+     * equivalent contiguous row); contiguous rows keep theirs. */
+    const int64_t *row_length = lengths;
+    if (tree_prefix) {
+        for (int64_t r = 0; r < count; r++)
+            packed[r] =
+                pack_tree_scores(scores + r * padded_length, tree_prefix[r], tree_visible[r]);
+        row_length = packed;
+    }
     /* Softmax weights, 16 lanes at a time; lanes past the row's length become 0. */
     for (int64_t r = 0; r < count; r++) {
         float *s = scores + r * padded_length;
-        int64_t length = lengths[r];
+        int64_t length = row_length[r];
         int64_t blocks = (length + LANES - 1) / LANES;
         for (int64_t j = length; j < blocks * LANES; j++) s[j] = -INFINITY;
         float best = -INFINITY;
@@ -196,6 +262,12 @@ static void attend_task(const void *query, const void *keys, const void *values,
             load_row(values, j * key_stride, dtype, head_dim,
                      value_rows + (j - block) * padded_dim);
         for (int64_t r = 0; r < count; r++) {
+            if (tree_prefix) {
+                accumulate_tree_block(acc + r * padded_dim, scores + r * padded_length,
+                                      value_rows, tree_prefix[r], tree_visible[r], block,
+                                      block_end, lengths[r], padded_dim);
+                continue;
+            }
             int64_t end = lengths[r] < block_end ? lengths[r] : block_end;
             if (end <= block) continue;
             accumulate_values(acc + r * padded_dim, scores + r * padded_length + block,
@@ -204,7 +276,7 @@ static void attend_task(const void *query, const void *keys, const void *values,
     }
     for (int64_t r = 0; r < count; r++) {
         const float *s = scores + r * padded_length;
-        int64_t blocks = (lengths[r] + LANES - 1) / LANES;
+        int64_t blocks = (row_length[r] + LANES - 1) / LANES;
         vfloat lanes = {0};
         for (int64_t b = 0; b < blocks; b++) {
             vfloat v;
@@ -229,13 +301,18 @@ static void attend_task(const void *query, const void *keys, const void *values,
 /* query/out: (kv_heads, rows_per_kv_head, head_dim) contiguous (the query heads of one
  * key/value head folded into its rows); keys/values: per K/V head key_head_stride elements
  * apart, keys key_stride apart; lengths: (kv_heads * rows_per_kv_head) keys each row sees
- * (0 .. length-1, at most max_length). Work is split into tasks of at most chunk rows.
- * Returns 0, or 2 when memory could not be had. */
-int knapspec_attend(const void *query, const void *keys, const void *values, void *out,
-                    const int64_t *lengths, int dtype, int64_t kv_heads,
-                    int64_t rows_per_kv_head, int64_t head_dim, int64_t key_head_stride,
-                    int64_t key_stride, int64_t max_length, int64_t chunk, float scale,
-                    int threads) {
+ * (0 .. length-1, at most max_length). tree_prefix/tree_visible: NULL, or the tree
+ * visibility described at the top for tree_period query positions, row r using entry
+ * r % tree_period (the folded rows of a K/V head are its query heads' positions in turn);
+ * lengths is then unused (NULL is fine). Work is split into tasks of at most chunk rows.
+ * Returns 0, 2 when memory could not be had, or 3 when a tree row sees no key or a key
+ * past max_length. */
+int knapspec_attend_tree(const void *query, const void *keys, const void *values, void *out,
+                         const int64_t *lengths, const int64_t *tree_prefix,
+                         const uint64_t *tree_visible, int64_t tree_period, int dtype,
+                         int64_t kv_heads, int64_t rows_per_kv_head, int64_t head_dim,
+                         int64_t key_head_stride, int64_t key_stride, int64_t max_length,
+                         int64_t chunk, float scale, int threads) {
     if (chunk < 1) chunk = 1;
     if (chunk > rows_per_kv_head) chunk = rows_per_kv_head;
     int64_t chunks_per_head = (rows_per_kv_head + chunk - 1) / chunk;
@@ -244,6 +321,11 @@ int knapspec_attend(const void *query, const void *keys, const void *values, voi
     int64_t padded_dim = (head_dim + LANES - 1) / LANES * LANES;
     size_t element = dtype == DTYPE_F32 ? sizeof(float) : sizeof(uint16_t);
     int failed = 0;
+    if (tree_prefix)
+        for (int64_t r = 0; r < tree_period; r++)
+            if (tree_prefix[r] < 0 || tree_span(tree_prefix[r], tree_visible[r]) > max_length ||
+                tree_prefix[r] + __builtin_popcountll(tree_visible[r]) == 0)
+                return 3;
     if (threads > tasks) threads = (int)tasks;
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads)
@@ -254,7 +336,13 @@ int knapspec_attend(const void *query, const void *keys, const void *values, voi
         float *key_rows = malloc(sizeof(float) * (size_t)(4 * head_dim));
         float *value_rows = calloc((size_t)(VALUE_BLOCK * padded_dim), sizeof(float));
         float *scores = aligned_alloc(64, sizeof(float) * (size_t)(chunk * padded_length));
-        if (!acc || !row || !qt || !key_rows || !value_rows || !scores) {
+        int64_t *packed = malloc(sizeof(int64_t) * (size_t)chunk);
+        /* A task's tree rows: spans, prefixes, masks. */
+        int64_t *spans = malloc(sizeof(int64_t) * (size_t)(2 * chunk));
+        uint64_t *masks = malloc(sizeof(uint64_t) * (size_t)chunk);
+        int64_t *prefixes = spans ? spans + chunk : NULL;
+        if (!acc || !row || !qt || !key_rows || !value_rows || !scores || !packed || !spans ||
+            !masks) {
 #pragma omp atomic write
             failed = 2;
         } else {
@@ -264,14 +352,23 @@ int knapspec_attend(const void *query, const void *keys, const void *values, voi
                 int64_t first = (task % chunks_per_head) * chunk;
                 int64_t count =
                     rows_per_kv_head - first < chunk ? rows_per_kv_head - first : chunk;
-                int64_t offset = (kv * rows_per_kv_head + first) * head_dim;
+                int64_t first_row = kv * rows_per_kv_head + first;
+                int64_t offset = first_row * head_dim;
+                if (tree_prefix)
+                    for (int64_t r = 0; r < count; r++) {
+                        int64_t entry = (first_row + r) % tree_period;
+                        prefixes[r] = tree_prefix[entry];
+                        masks[r] = tree_visible[entry];
+                        spans[r] = tree_span(prefixes[r], masks[r]);
+                    }
                 attend_task((const char *)query + offset * element,
                             (const char *)keys + kv * key_head_stride * element,
                             (const char *)values + kv * key_head_stride * element,
                             (char *)out + offset * element, dtype,
-                            lengths + kv * rows_per_kv_head + first, count, head_dim,
-                            key_stride, scale, scores, acc, row, qt, key_rows, value_rows,
-                            padded_length);
+                            tree_prefix ? spans : lengths + first_row,
+                            tree_prefix ? prefixes : NULL, tree_prefix ? masks : NULL, packed,
+                            count, head_dim, key_stride, scale, scores, acc, row, qt, key_rows,
+                            value_rows, padded_length);
             }
         }
         free(acc);
@@ -280,6 +377,20 @@ int knapspec_attend(const void *query, const void *keys, const void *values, voi
         free(key_rows);
         free(value_rows);
         free(scores);
+        free(packed);
+        free(spans);
+        free(masks);
     }
     return failed;
+}
+
+/* The contiguous kernel: every row sees keys 0 .. lengths[r]-1 (arguments as above). */
+int knapspec_attend(const void *query, const void *keys, const void *values, void *out,
+                    const int64_t *lengths, int dtype, int64_t kv_heads,
+                    int64_t rows_per_kv_head, int64_t head_dim, int64_t key_head_stride,
+                    int64_t key_stride, int64_t max_length, int64_t chunk, float scale,
+                    int threads) {
+    return knapspec_attend_tree(query, keys, values, out, lengths, NULL, NULL, 0, dtype,
+                                kv_heads, rows_per_kv_head, head_dim, key_head_stride,
+                                key_stride, max_length, chunk, scale, threads);
 }
