@@ -71,7 +71,7 @@ def weighted_vote_chain(tokens: list[int], depth: int, limit: int) -> list[int]:
     weight among the occurrences agreeing so far (ties: first seen latest)."""
     index = LookupIndex(3)
     index.extend(tokens)
-    n, ends = index.longest_suffix_match(limit)
+    _, ends = index.longest_suffix_match(limit)
     weights = {e: _match_length(tokens, e, tokens, 32) for e in ends}
     chain: list[int] = []
     active = list(ends)
@@ -90,9 +90,7 @@ def weighted_vote_chain(tokens: list[int], depth: int, limit: int) -> list[int]:
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    tokens=sequences, depth=st.integers(1, 6), limit=st.integers(1, 5), nodes=st.integers(0, 9)
-)
+@given(tokens=sequences, depth=st.integers(1, 6), limit=st.integers(1, 5), nodes=st.integers(0, 9))
 def test_the_heaviest_path_is_the_chain_and_the_size_is_bounded(
     tokens: list[int], depth: int, limit: int, nodes: int
 ) -> None:

@@ -354,9 +354,9 @@ class DraftPlan:
     the round, cut to γ tokens; ``mask`` is then unused). The predicted fields are the
     planner's own estimates, kept for the stats and for drift detection;
     ``tree_nodes`` (lookup only) names the branches of the proposal's token tree to verify
-    beside its heaviest path. ``best_draft_speedup`` is, for a γ = 0 plan, the predicted speed of the best
-    speculative option the planner priced and rejected, relative to a plain step (None
-    when it priced none), so a run without drafts can say why.
+    beside its heaviest path. ``best_draft_speedup`` is, for a γ = 0 plan, the predicted
+    speed of the best speculative option the planner priced and rejected, relative to a
+    plain step (None when it priced none), so a run without drafts can say why.
     """
 
     mask: SublayerMask

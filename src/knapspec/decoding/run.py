@@ -411,9 +411,7 @@ class Run:
             self.cost_model.observe(LatencyObservation("verify", n, elapsed, len(drafts) + 1))
         return Verification(verdict.accepted, verdict.tokens, elapsed, out.points, target_next)
 
-    def _verify_tree(
-        self, pending: int, tree: DraftTree, n: int, capture: bool
-    ) -> Verification:
+    def _verify_tree(self, pending: int, tree: DraftTree, n: int, capture: bool) -> Verification:
         """One full forward over ``pending`` and the tree's nodes (tree attention), the
         walk down the tree, and the cache compacted to the accepted path (the window
         data, with ``capture``, is the path's rows)."""
@@ -431,6 +429,11 @@ class Run:
         elapsed = self._now() - verify_start
         self.stats.verify_time_s += elapsed
         self.stats.tree_rounds += 1
+        on_path = set(path)
+        for node, (depth, rank) in enumerate(zip(tree.depths, tree.rank, strict=True)):
+            counts = self.stats.tree_nodes.setdefault((depth, rank), [0, 0])
+            counts[0] += 1
+            counts[1] += node in on_path
         if self.cost_model is not None:
             self.cost_model.observe(LatencyObservation("verify", n, elapsed, len(inputs)))
         return Verification(verdict.accepted, verdict.tokens, elapsed, points, target_next)

@@ -13,7 +13,6 @@ import torch
 
 from knapspec.decoding.verify import Verdict, verify_greedy, verify_sampling
 from knapspec.drafters.base import Draft
-from knapspec.types import DraftTree
 from knapspec.gumbel import keyed_argmax, position_key
 from knapspec.sampling import (
     REJECTION,
@@ -22,6 +21,7 @@ from knapspec.sampling import (
     processed_scores,
     sample_token,
 )
+from knapspec.types import DraftTree
 
 
 def resolve_seed(params: SamplingParams, offset: int = 0) -> int:
@@ -90,7 +90,6 @@ class TokenSampler:
             if j == len(drafts) or token != drafts[j]:
                 return Verdict(j, [*drafts[:j], token])
             j += 1
-
 
     def pick(self, logits: torch.Tensor, position: int) -> int:
         """The target's token at ``position`` from one row of verification ``logits

@@ -79,7 +79,9 @@ class GenerationStats:
     (a conversation's earlier turns, a cached prefix) instead of being prefilled;
     ``prefill_time_s`` is the time to the first token. ``tree_rounds`` counts the rounds
     that verified a token tree (their drafted tokens are the tree's nodes, so a tree's
-    acceptance rate is lower than a chain's for the same accepted length).
+    acceptance rate is lower than a chain's for the same accepted length);
+    ``tree_nodes[(depth, rank)]`` is ``[verified, accepted]`` over those rounds' nodes by
+    depth (1: the first draft position) and sibling rank (0: the heaviest branch).
     """
 
     prompt_tokens: int = 0
@@ -93,6 +95,7 @@ class GenerationStats:
     lookup_time_s: float = 0.0
     rounds: int = 0
     tree_rounds: int = 0
+    tree_nodes: dict[tuple[int, int], list[int]] = attrs.field(factory=dict)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     accept_lengths: list[int] = attrs.field(factory=list)
@@ -172,6 +175,9 @@ class GenerationStats:
     def to_dict(self) -> dict[str, Any]:
         """Plain-data form, derived metrics included."""
         data = attrs.asdict(self)
+        data["tree_nodes"] = [  # JSON has no tuple keys: [depth, rank, verified, accepted]
+            [depth, rank, *counts] for (depth, rank), counts in sorted(self.tree_nodes.items())
+        ]
         data.update(
             tokens_per_second=self.tokens_per_second,
             acceptance_rate=self.acceptance_rate,

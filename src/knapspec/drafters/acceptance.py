@@ -230,13 +230,9 @@ class BranchAcceptance:
         cell = self._cell(match_bucket, support, depth)
         strength = self.config.position_strength
         prior = chain_rate * support
-        return float(
-            (self.accepted_[cell] + strength * prior) / (self.trials_[cell] + strength)
-        )
+        return float((self.accepted_[cell] + strength * prior) / (self.trials_[cell] + strength))
 
-    def observe_round(
-        self, tree: DraftTree, match_bucket: int, committed: Sequence[int]
-    ) -> None:
+    def observe_round(self, tree: DraftTree, match_bucket: int, committed: Sequence[int]) -> None:
         """Learn from a round: ``tree`` (the whole proposal) against the committed tokens."""
         self.accepted_ *= self.config.decay
         self.trials_ *= self.config.decay
