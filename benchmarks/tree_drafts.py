@@ -15,7 +15,7 @@ position-keyed, seed = the prompt's index). No stop token on long-input (SmolLM2
 some summaries at once); the chat's EOS on Spec-Bench, as the suite does.
 
     python benchmarks/tree_drafts.py [--contexts 2048 4096] [--documents 2]
-        [--questions 13] [--new-tokens 128] [--threads 2]
+        [--questions 13] [--new-tokens 128] [--threads 2] [--repeats 1]
 
 Every call is one JSON line in ``--output`` (wall, prefill, decode phase, rounds, tree
 rounds, accepted tokens, per-node counts); a summary line per scenario ends the run.
@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
     parser.add_argument("--output", type=Path, default=Path("results/drafters/trees.jsonl"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -78,7 +79,12 @@ def main() -> None:
 
     summary: dict[str, dict[str, list[float]]] = {}
     with args.output.open("a") as sink:
-        for index, (scenario, name, prompt, eos) in enumerate(prompts):
+        runs = [
+            (repeat, index, prompt)
+            for repeat in range(args.repeats)
+            for index, prompt in enumerate(prompts)
+        ]
+        for repeat, index, (scenario, name, prompt, eos) in runs:
             modes: list[dict[str, Any]] = [{}]
             if scenario.startswith("long-input"):
                 modes.append(
@@ -93,8 +99,8 @@ def main() -> None:
                 arms = [("tree", tree), ("chain", chain)]
                 if sampling:
                     arms.append(("plain", plain))
-                if index % 2:
-                    arms.reverse()
+                if (index + repeat) % 2:
+                    arms.reverse()  # alternate who goes first, per prompt and per pass
                 rows = {
                     arm: _call(decoder, prompt, args.new_tokens, eos, sampling or None)
                     for arm, decoder in arms
@@ -107,6 +113,7 @@ def main() -> None:
                     record = {
                         "scenario": label,
                         "prompt": name,
+                        "repeat": repeat,
                         "arm": arm,
                         "identical": same,
                         "new_tokens": len(tokens),

@@ -18,6 +18,7 @@ import torch
 from knapspec.costmodels.base import LatencyObservation
 from knapspec.decoding.sampler import TokenSampler
 from knapspec.decoding.stats import GenerationStats, PlanRecord
+from knapspec.decoding.tree_round import TreeRoundParts, verify_tree_round
 from knapspec.decoding.verify import NonFiniteLogitsError
 from knapspec.drafters.base import (
     NO_DRAFT,
@@ -29,7 +30,7 @@ from knapspec.drafters.base import (
 )
 from knapspec.planners.base import Planner, PlanningContext
 from knapspec.sampling import SamplingParams
-from knapspec.types import DraftPlan, DraftTree, StepOutcome, SublayerMask
+from knapspec.types import DraftPlan, StepOutcome, SublayerMask
 from knapspec.validators import check_finite
 
 if TYPE_CHECKING:
@@ -396,7 +397,10 @@ class Run:
         ``capture``, also the window data."""
         engine = self.engine
         if draft.tree is not None:
-            return self._verify_tree(pending, draft.tree, n, capture)
+            parts = TreeRoundParts(
+                engine, self.cache, self.sampler, self.stats, self.cost_model, self._now
+            )
+            return verify_tree_round(parts, draft.tree, pending, n, capture)
         verify_start = self._now()
         inputs = torch.tensor([pending, *draft.tokens], device=engine.device)
         out = engine.forward(inputs, n, self.cache, capture_points=capture)
@@ -410,33 +414,6 @@ class Run:
         if self.cost_model is not None:
             self.cost_model.observe(LatencyObservation("verify", n, elapsed, len(drafts) + 1))
         return Verification(verdict.accepted, verdict.tokens, elapsed, out.points, target_next)
-
-    def _verify_tree(self, pending: int, tree: DraftTree, n: int, capture: bool) -> Verification:
-        """One full forward over ``pending`` and the tree's nodes (tree attention), the
-        walk down the tree, and the cache compacted to the accepted path (the window
-        data, with ``capture``, is the path's rows)."""
-        engine = self.engine
-        verify_start = self._now()
-        inputs = torch.tensor([pending, *tree.tokens], device=engine.device)
-        parents = [-1, *(parent + 1 for parent in tree.parents)]
-        out = engine.forward_tree(inputs, n, parents, self.cache, capture_points=capture)
-        check_finite(out.logits, "verification", error=NonFiniteLogitsError.during)
-        verdict, path = self.sampler.verify_tree(tree, out.logits, n + 1)
-        rows = [0, *(node + 1 for node in path)]
-        self.cache.compact(n, rows)
-        points = out.points[:, rows] if out.points is not None else None
-        target_next = out.logits[rows].argmax(dim=-1) if capture else None
-        elapsed = self._now() - verify_start
-        self.stats.verify_time_s += elapsed
-        self.stats.tree_rounds += 1
-        on_path = set(path)
-        for node, (depth, rank) in enumerate(zip(tree.depths, tree.rank, strict=True)):
-            counts = self.stats.tree_nodes.setdefault((depth, rank), [0, 0])
-            counts[0] += 1
-            counts[1] += node in on_path
-        if self.cost_model is not None:
-            self.cost_model.observe(LatencyObservation("verify", n, elapsed, len(inputs)))
-        return Verification(verdict.accepted, verdict.tokens, elapsed, points, target_next)
 
     def _record_plan(self, plan: DraftPlan, round_index: int, n: int) -> None:
         skipped = plan.mask.skipped

@@ -122,7 +122,9 @@ class TokenSampler:
         children: dict[int, dict[int, int]] = {}
         for i, (parent, token) in enumerate(zip(tree.parents, tree.tokens, strict=True)):
             children.setdefault(parent, {})[token] = i
-        node, path, tokens = -1, [], []
+        node = -1
+        path: list[int] = []
+        tokens: list[int] = []
         while True:
             token = self.pick(logits[node + 1], position + len(path))
             tokens.append(token)

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import attrs
+
+if TYPE_CHECKING:
+    from knapspec.types import DraftTree
 
 
 @attrs.frozen
@@ -171,6 +175,16 @@ class GenerationStats:
             self.drafted_at_position[position] += 1
             if position < accepted:
                 self.accepted_at_position[position] += 1
+
+    def record_tree(self, tree: DraftTree, path: Sequence[int]) -> None:
+        """Count a tree round's nodes by depth and sibling rank, and which were accepted
+        (``path``); :meth:`record_round` counts the round itself."""
+        self.tree_rounds += 1
+        on_path = set(path)
+        for node, (depth, rank) in enumerate(zip(tree.depths, tree.rank, strict=True)):
+            counts = self.tree_nodes.setdefault((depth, rank), [0, 0])
+            counts[0] += 1
+            counts[1] += node in on_path
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data form, derived metrics included."""

@@ -224,7 +224,7 @@ def attend_tree_rows(
     out = _run_kernel(library, query, keys, values, None, tree, scale)
     if out is None:
         _tree_rows(prefix, visible, keys.shape[1])  # raises, saying which row
-        raise AssertionError("the kernel refused tree rows that pass the Python check")
+        raise RuntimeError("the kernel refused tree rows that pass the Python check")
     return out
 
 
