@@ -49,7 +49,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
     parser.add_argument("--output", type=Path, default=Path("results/drafters/trees.jsonl"))
+    parser.add_argument(
+        "--plot", type=Path, default=None, help="only plot acceptance per node of --output"
+    )
     args = parser.parse_args()
+    if args.plot is not None:
+        plot_node_acceptance(args.output, args.plot)
+        return
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model_and_tokenizer(progress=False)
     tree = SpeculativeDecoder(model)
@@ -178,6 +184,55 @@ def _call(
             [depth, rank, *counts] for (depth, rank), counts in sorted(stats.tree_nodes.items())
         ],
     }
+
+
+def plot_node_acceptance(results: Path, figure: Path) -> None:
+    """Acceptance of tree nodes by depth and sibling rank over the tree arm's rounds, with
+    the verified count on each bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts: dict[tuple[int, int], list[int]] = {}
+    for line in results.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("arm") != "tree":
+            continue
+        for depth, rank, verified, accepted in record["tree_nodes"]:
+            cell = counts.setdefault((depth, rank), [0, 0])
+            cell[0] += verified
+            cell[1] += accepted
+    depths = sorted({depth for depth, _ in counts})[:6]
+    ranks = sorted({rank for _, rank in counts})[:4]
+    width = 0.8 / len(ranks)
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for k, rank in enumerate(ranks):
+        xs, ys, ns = [], [], []
+        for depth in depths:
+            verified, accepted = counts.get((depth, rank), [0, 0])
+            if verified:
+                xs.append(depth + (k - (len(ranks) - 1) / 2) * width)
+                ys.append(accepted / verified)
+                ns.append(verified)
+        bars = ax.bar(xs, ys, width, label=f"rank {rank}" + (" (heaviest)" if rank == 0 else ""))
+        for bar, n in zip(bars, ns, strict=True):
+            ax.annotate(
+                str(n),
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
+    ax.set_xlabel("depth (draft position)")
+    ax.set_ylabel("accepted / verified")
+    ax.set_title("Lookup tree nodes: acceptance by depth and sibling rank (count on bars)")
+    ax.set_xticks(depths)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    figure.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(figure, dpi=120)
+    print(f"wrote {figure}")
 
 
 if __name__ == "__main__":
