@@ -216,3 +216,18 @@ def test_the_row_check_rejects_a_lossy_walk(mutant: type[TokenSampler]) -> None:
         SamplingParams(do_sample=True, verification=REJECTION), 11, torch.device("cpu")
     )
     assert min(_pvalues(_walk_samples(sampler)).values()) < REJECT
+
+
+def test_greedy_tree_rounds_equal_plain_decoding_in_bfloat16() -> None:
+    """The exactness contract covers tree rows in bf16 too: trees verified, output equal to
+    the same engine's plain greedy decoding (bf16's own reference, not float32's)."""
+    model = tiny_llama(4, vocab_size=97, hidden_size=64).to(torch.bfloat16)
+    decoder = tree_decoder(model)
+    plain = SpeculativeDecoder(decoder.engine, {"planner": {"name": "autoregressive"}})
+    trees = 0
+    for index, prompt in enumerate(PROMPTS):
+        result = decoder.generate(prompt, max_new_tokens=NEW_TOKENS)
+        expected = plain.generate(prompt, max_new_tokens=NEW_TOKENS)
+        assert torch.equal(result.tokens, expected.tokens), f"prompt {index} differs (bf16)"
+        trees += result.stats.tree_rounds
+    assert trees > 0, "no token tree was verified in bf16"
