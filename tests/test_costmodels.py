@@ -666,9 +666,40 @@ def test_online_verify_observations_update_only_their_width() -> None:
     np.testing.assert_allclose(learned[4], LAW_B.verify[4], rtol=DRIFT_TOLERANCE)
     for k in (*range(1, 5), *range(6, 14)):
         for n in PROBES:
-            assert online.verify_cost(k, n) == prior.verify_cost(k, n)
+            # Unobserved: the prior's shape at width 5's learned level (its coefficients
+            # report stays the prior's line).
+            level = online.verify_cost(5, n) / prior.verify_cost(5, n)
+            assert online.verify_cost(k, n) == pytest.approx(prior.verify_cost(k, n) * level)
         if k <= 11:
             assert learned[k - 1] == pytest.approx(LAW_A.verify[k - 1], rel=1e-9)
+
+
+def test_a_prior_far_too_slow_does_not_price_unobserved_widths_out_of_reach() -> None:
+    """A profile measured 50x too slow (another process held the cores), corrected by
+    one-token steps only (the planner has drafted nothing yet): wider verifications keep the
+    prior's shape at the corrected level. With the bare prior there, a 4-token verify would
+    cost about 50 one-token steps, nothing would ever be drafted, and no width other than
+    1 would ever be observed (a deadlock seen on a real bf16 profile)."""
+    slow = LinearCoefficients(
+        overhead=50 * LAW_A.overhead,
+        attn_intercept=50 * LAW_A.attn_intercept,
+        attn_slope=50 * LAW_A.attn_slope,
+        mlp=50 * LAW_A.mlp,
+        verify=tuple((50 * a, 50 * b) for a, b in LAW_A.verify),
+    )
+    online = OnlineCalibratedCostModel(FittedLinearCostModel.from_profile(synthetic_profile(slow)))
+    rng = np.random.default_rng(9)
+    for _ in range(60):
+        n = int(rng.integers(32, 8000))
+        online.observe(LatencyObservation("verify", n, LAW_A.verify_seconds(1, n), 1))
+    assert set(online.verify_rls_) == {1}
+    for n in PROBES:
+        step = online.verify_cost(1, n)
+        # The level is floored at the prior over outlier_ratio (10): 5x the truth here.
+        assert step < LAW_A.verify_seconds(1, n) * 6 < 50 * LAW_A.verify_seconds(1, n) / 8
+        for k in range(2, 12):
+            truth = LAW_A.verify_seconds(k, n) / LAW_A.verify_seconds(1, n)
+            assert online.verify_cost(k, n) / step == pytest.approx(truth, rel=DRIFT_TOLERANCE)
 
 
 def test_per_width_blocks_on_a_shared_clock_equal_one_one_hot_regression() -> None:

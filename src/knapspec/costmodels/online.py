@@ -11,7 +11,12 @@ that is linear in the same features:
   prior's (the cost is a staircase in ``k``, see :mod:`knapspec.costmodels.linear`). In
   one regression this is the one-hot design ``[e_k, e_k·n]``; since an observation of
   width ``k`` only touches width ``k``'s block, each width has its own 2-feature
-  regression, and a width never observed keeps its prior.
+  regression. A width never observed is priced by the prior's shape at the level of the
+  nearest observed width: the prior's cost times that width's corrected-over-prior ratio.
+  Keeping the bare prior there deadlocks when the prior is off by a large factor (a profile
+  measured while another process held the cores): once the one-token step is corrected
+  down, every unobserved width looks many steps dear, so nothing is drafted and no width is
+  ever observed.
 
 When the machine's speed drifts, or the cache differs from the profiled one, the true law
 moves and the correction follows it: recursive least squares with exponential forgetting
@@ -286,9 +291,16 @@ class OnlineCalibratedCostModel(CostModel):
         blocks = self._state()[1]
         base = self.prior.verify_cost(tokens, context_length)
         rls = blocks.get(tokens)
-        if rls is None:  # never observed: the prior's price (floored like a corrected one)
+        features = self._verify_features(context_length)
+        if rls is not None:
+            return self._corrected(base, features, rls)
+        if not blocks:  # nothing observed yet: the prior's price
             return max(base, MIN_SECONDS)
-        return self._corrected(base, self._verify_features(context_length), rls)
+        # Never observed: the prior's shape at the nearest observed width's level.
+        nearest = min(blocks, key=lambda k: (abs(k - tokens), k))
+        reference = self.prior.verify_cost(nearest, context_length)
+        level = self._corrected(reference, features, blocks[nearest]) / reference
+        return max(base * level, MIN_SECONDS)
 
     def coefficients(self) -> LinearCoefficients:
         """The prior's layer-averaged coefficients plus the learned corrections (seconds).

@@ -43,7 +43,8 @@ DTYPES = ("float32", "bfloat16")
 #: The issue's goal run (#30): one command, on a quiet machine.
 GOAL_COMMAND = (
     "knapspec bench spec-bench --per-category 5 --max-new-tokens 256 --dtype float32 "
-    "--threads 2 --output-dir results/bench/spec-bench-fp32"
+    "--threads 2 --methods generate ar knapspec hf-prompt-lookup "
+    "--output-dir results/bench/spec-bench-fp32"
 )
 DEFAULT_METHODS = (
     "generate",

@@ -321,13 +321,17 @@ def render(data: SpecBenchRunData) -> str:
         "",
         detail_table(rows),
         "",
-        "Spec-Bench's own scripts read the answer files in `model_answer/` unchanged: "
-        "`python evaluation/speed.py --file-path model_answer/knapspec.jsonl --base-path "
-        "model_answer/generate.jsonl --tokenizer-path MODEL_DIR` and `python "
-        "evaluation/equal.py --file-path model_answer/ --jsonfile1 ar.jsonl --jsonfile2 "
-        "knapspec.jsonl`. (`speed.py` counts the baseline's tokens by re-tokenising its "
-        "answers minus one for a BOS token; SmolLM2's tokenizer adds none, so its baseline "
-        "speeds are about one token per turn low.)",
+        "Spec-Bench's own scripts read the answer files in `model_answer/` unchanged. From "
+        'a checkout of Spec-Bench: `python -c "from evaluation.speed import '
+        "get_single_speedup; get_single_speedup('RUN/model_answer/knapspec.jsonl', "
+        "'RUN/model_answer/generate.jsonl', 'MODEL_DIR')\"` (its command line always runs "
+        "`get_mean_speedup()` on the authors' hard-coded paths: `--mean-report` is a "
+        "`store_true` flag that defaults to true) and `python evaluation/equal.py "
+        "--file-path RUN/model_answer/ --jsonfile1 ar.jsonl --jsonfile2 knapspec.jsonl`, "
+        "`RUN` this directory and `MODEL_DIR` the model's (`knapspec` caches it under "
+        "`~/.cache/knapspec/models/`). (`speed.py` counts the baseline's tokens by "
+        "re-tokenising its answers minus one for a BOS token; SmolLM2's tokenizer adds none, "
+        "so its baseline speeds are about one token per turn low.)",
         "",
     ]
     return "\n".join(parts)
@@ -367,10 +371,11 @@ def docs_section(runs: Sequence[SpecBenchRunData], docs: Path, reproduce: str) -
         "```",
         "",
         "It runs `model.generate`, plain decoding through our engine (`ar`), the default "
-        "decoder (`knapspec`), transformers' prompt lookup (`hf-prompt-lookup`, k = 10), "
-        "KnapSpec with the lookup drafter only and with layer skipping only, 105 turns each "
-        "(about one to two hours on 2 cores); an interrupted run resumes when the command is "
-        "repeated. bfloat16: the same with `--dtype bfloat16 --output-dir "
+        "decoder (`knapspec`) and transformers' prompt lookup (`hf-prompt-lookup`, k = 10), "
+        "105 turns each (about two hours on 2 cores); an interrupted run resumes when the "
+        "command is repeated. Without `--methods`, KnapSpec with the lookup drafter only "
+        "(`knapspec-lookup-only`) and with layer skipping only (`knapspec-no-lookup`) run "
+        "too (`--list` names every method). bfloat16: the same with `--dtype bfloat16 --output-dir "
         "results/bench/spec-bench-bf16 --no-stop-on-mismatch` (the report then counts the "
         "answers that differ from plain decoding instead of stopping at the first). "
         "`knapspec bench spec-bench report RUN_DIR [RUN_DIR ...] --docs docs/benchmarks.md` "
