@@ -305,7 +305,9 @@ class OnlineCalibratedCostModel(CostModel):
     def coefficients(self) -> LinearCoefficients:
         """The prior's layer-averaged coefficients plus the learned corrections (seconds).
 
-        ``verify`` covers widths ``1..max(K, widest observed)``, ``K`` the prior's table.
+        ``verify`` covers widths ``1..max(K, widest observed)``, ``K`` the prior's table;
+        an unobserved width reports the prior's line (:meth:`verify_cost` prices it at the
+        nearest observed width's level, a ratio no line holds at every context).
         """
         draft_rls, blocks = self._state()
         unit = self.time_unit_
