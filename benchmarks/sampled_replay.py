@@ -15,8 +15,13 @@ replays every policy on each output. A policy's decode-phase speed ``s`` bounds 
 speed-up over plain sampling of the same call by ``(P + D) / (P + D / s)`` (``P``, ``D``:
 the plain call's measured prefill and decode seconds): no drafter shortens the prefill.
 
+``--curve wide`` also prices every round with the hypothetical cheap-width curve of
+``tree_replay.py`` (16 tokens for 1.5 steps); its wall bound still uses this machine's
+prefill, so it shows what cheap width alone would give.
+
     python benchmarks/sampled_replay.py [--contexts 2048 4096] [--prompts 4] [--seeds 3]
-        [--new-tokens 128] [--outputs results/drafters/sampled_outputs.json]
+        [--new-tokens 128] [--curve measured wide]
+        [--outputs results/drafters/sampled_outputs.json]
         [--output results/drafters/sampled_replay.jsonl]
 
 ``--outputs`` is reused when it exists (delete it to record again); it stores token ids
@@ -26,6 +31,7 @@ and timings, the prompts are rebuilt from ``(context, document)``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -41,7 +47,7 @@ from knapspec.model.provision import load_model_and_tokenizer
 
 if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.tree_replay import POLICIES, CurveCost, replay
+from benchmarks.tree_replay import CURVE_SLOPES, POLICIES, CurveCost, replay
 
 
 def wall_bound(prefill_s: float, decode_s: float, decode_speedup: float) -> float:
@@ -92,6 +98,7 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=0.9)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-draft", type=int, default=10)
+    parser.add_argument("--curve", nargs="+", default=["measured", "wide"], choices=CURVE_SLOPES)
     parser.add_argument(
         "--outputs", type=Path, default=Path("results/drafters/sampled_outputs.json")
     )
@@ -114,9 +121,9 @@ def main() -> None:
         }
         args.outputs.parent.mkdir(parents=True, exist_ok=True)
         args.outputs.write_text(json.dumps(stored))
-    # Replays are single-threaded arithmetic; the cost model is this machine's fitted one.
-    torch.set_num_threads(1)
-    cost = CurveCost(SpeculativeDecoder(model).cost_model, None)
+    # Rounds are priced by the cost model the timed runs use: this machine's profile at
+    # --threads (profiles are keyed by thread count).
+    fitted = SpeculativeDecoder(model).cost_model
     rows = []
     prompts: dict[tuple[int, int], list[int]] = {}
     for key, record in stored["records"].items():
@@ -130,11 +137,13 @@ def main() -> None:
                 f"{key}: rebuilt prompt has {len(prompt)} tokens, the recording had "
                 f"{record['prompt_tokens']}"
             )
-        for policy in POLICIES:
+        for curve, policy in itertools.product(args.curve, POLICIES):
+            cost = CurveCost(fitted, CURVE_SLOPES[curve])
             result = replay(prompt, record["output"], policy, cost, args.max_draft)
             bound = wall_bound(record["prefill_s"], record["decode_s"], result["speedup"])
             rows.append(
                 {
+                    "curve": curve,
                     "scenario": f"long-input-{context} T={stored['temperature']}",
                     "item": f"doc{document}-seed{seed}",
                     "policy": policy,
@@ -152,11 +161,13 @@ def main() -> None:
 
 
 def summarise(rows: list[dict[str, Any]]) -> None:
-    """Per scenario and policy: median decode-phase speed and wall-time bound."""
-    for scenario in sorted({r["scenario"] for r in rows}):
-        picked = [r for r in rows if r["scenario"] == scenario]
+    """Per curve, scenario and policy: median decode-phase speed and wall-time bound (the
+    bound uses this machine's prefill, so under the ``wide`` curve it is indicative only)."""
+    for curve, scenario in sorted({(r["curve"], r["scenario"]) for r in rows}):
+        picked = [r for r in rows if r["scenario"] == scenario and r["curve"] == curve]
         share = statistics.median(r["prefill_share"] for r in picked)
-        print(f"{scenario}: {len(picked) // len(POLICIES)} outputs, prefill share {share:.2f}")
+        outputs = len(picked) // len(POLICIES)
+        print(f"{curve} {scenario}: {outputs} outputs, prefill share {share:.2f}")
         for policy in POLICIES:
             mine = [r for r in picked if r["policy"] == policy]
             decode = statistics.median(r["speedup"] for r in mine)

@@ -13,7 +13,8 @@ equals the output) plus one token, and costs ``t_verify(verified + 1, n)``. Poli
 * ``wide-oracle``: the same in a 63-node tree of 64 occurrences instead of 8 (the ceiling
   of broader candidates, issue #31's "every earlier occurrence").
 
-Costs come from this machine's fitted cost model (``--curve measured``) or from a
+Costs come from this machine's fitted cost model at ``--threads`` (default 2, the timed
+runs' setting; ``--curve measured``) or from a
 hypothetical cheap-width curve ``t_verify(k) = t_step·(1 + (k - 1)/30)`` (``--curve
 wide``: 16 tokens for 1.5 steps, the figure issue #31 quotes for bf16 with AMX; not measured
 here). The planner prices with the same curve it is charged. The result is decode-phase
@@ -24,7 +25,7 @@ Outputs: ``results/drafters/replay_outputs.json`` (long-input, recorded by
 prompts rebuilt with the chat template).
 
     python benchmarks/tree_replay.py [--spec-bench results/bench/spec-bench-fp32]
-        [--curve measured wide] [--output results/drafters/tree_replay.jsonl]
+        [--curve measured wide] [--threads 2] [--output results/drafters/tree_replay.jsonl]
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ from knapspec.planners.lookup import MAX_TREE_NODES, LookupPricing
 from knapspec.types import Draft, DraftTree
 
 POLICIES = ("chain", "tree", "chain-oracle", "tree-oracle", "wide-oracle")
+#: Verification-cost curves: this machine's fitted cost model, or a hypothetical per-token
+#: slope over its one-token step (16 tokens for 1.5 steps: issue #31's AMX bf16 figure).
+CURVE_SLOPES: dict[str, float | None] = {"measured": None, "wide": 1.0 / 30.0}
 
 
 class CurveCost:
@@ -210,19 +214,22 @@ def main() -> None:
     parser.add_argument("--spec-bench", type=Path, default=None, help="a Spec-Bench run dir")
     parser.add_argument("--curve", nargs="+", default=["measured", "wide"])
     parser.add_argument("--max-draft", type=int, default=10)
+    parser.add_argument(
+        "--threads", type=int, default=2, help="the cost model of this thread count"
+    )
     parser.add_argument("--output", type=Path, default=Path("results/drafters/tree_replay.jsonl"))
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    # Profiles are keyed by thread count: price rounds as the timed runs (2 threads) do.
+    torch.set_num_threads(args.threads)
     model, tokenizer = load_model_and_tokenizer(progress=False)
     fitted = SpeculativeDecoder(model).cost_model
-    env = environment(model, 2)
+    env = environment(model, args.threads)
     records = list(long_input_records(args.long_input))
     if args.spec_bench is not None:
         records += list(spec_bench_records(args.spec_bench, tokenizer))
-    slopes = {"measured": None, "wide": 1.0 / 30.0}
     rows = []
     for curve in args.curve:
-        cost = CurveCost(fitted, slopes[curve])
+        cost = CurveCost(fitted, CURVE_SLOPES[curve])
         for record in records:
             for policy in POLICIES:
                 result = replay(record["prompt"], record["output"], policy, cost, args.max_draft)
