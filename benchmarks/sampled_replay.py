@@ -88,6 +88,41 @@ def record_outputs(args: argparse.Namespace, model: Any, tokenizer: Any) -> dict
     return records
 
 
+def recording_settings(stored: dict[str, Any]) -> dict[str, Any]:
+    """What a stored recording holds: contexts, documents, seeds, new tokens, T, top-p."""
+    keys = [key.split("/") for key in stored["records"]]
+    lengths = {len(record["output"]) for record in stored["records"].values()}
+    return {
+        "contexts": sorted({int(k[1]) for k in keys}),
+        "prompts": len({k[2] for k in keys}),
+        "seeds": len({k[3] for k in keys}),
+        "new_tokens": max(lengths) if lengths else 0,
+        "T": stored["temperature"],
+        "top_p": stored["top_p"],
+    }
+
+
+def check_recording(stored: dict[str, Any], args: argparse.Namespace, path: Path) -> None:
+    """Refuse to replay a recording made with other settings than the command asks for
+    (it would silently answer another question)."""
+    held = recording_settings(stored)
+    asked = {
+        "contexts": sorted(set(args.contexts)),
+        "prompts": args.prompts,
+        "seeds": args.seeds,
+        "new_tokens": args.new_tokens,
+        "T": args.T,
+        "top_p": args.top_p,
+    }
+    differ = {name: (held[name], asked[name]) for name in asked if held[name] != asked[name]}
+    if differ:
+        listed = ", ".join(f"{name} {h} (asked {a})" for name, (h, a) in differ.items())
+        raise ValueError(
+            f"{path} was recorded with other settings: {listed}; delete it or pass "
+            "--outputs with a new path to record again"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096])
@@ -111,6 +146,10 @@ def main() -> None:
     env = environment(model, args.threads)
     if args.outputs.exists():
         stored = json.loads(args.outputs.read_text())
+        try:
+            check_recording(stored, args, args.outputs)
+        except ValueError as error:
+            parser.error(str(error))
     else:
         stored = {
             "command": "python " + " ".join(sys.argv),

@@ -1,10 +1,15 @@
 """``benchmarks/sampled_replay.py``: the wall-time ceiling a decode-phase speed puts on a
-call whose prefill no drafter shortens."""
+call whose prefill no drafter shortens, and the check that a stored recording answers the
+command's question."""
 
 from __future__ import annotations
 
+import argparse
+import json
+from pathlib import Path
+
 import pytest
-from benchmarks.sampled_replay import wall_bound
+from benchmarks.sampled_replay import check_recording, recording_settings, wall_bound
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -35,3 +40,42 @@ def test_the_bound_rejects_impossible_timings() -> None:
         wall_bound(1.0, 0.0, 1.2)
     with pytest.raises(ValueError, match="speed-up > 0"):
         wall_bound(1.0, 2.0, 0.0)
+
+
+RECORDING = Path(__file__).resolve().parents[1] / "results/drafters/sampled_outputs.json"
+
+
+def asked(**changes: object) -> argparse.Namespace:
+    settings = {"contexts": [2048, 4096], "prompts": 4, "seeds": 3, "new_tokens": 128}
+    return argparse.Namespace(**{**settings, "T": 0.7, "top_p": 0.9, **changes})
+
+
+def test_the_committed_recording_holds_what_the_default_command_asks() -> None:
+    stored = json.loads(RECORDING.read_text())
+    assert recording_settings(stored) == {
+        "contexts": [2048, 4096],
+        "prompts": 4,
+        "seeds": 3,
+        "new_tokens": 128,
+        "T": 0.7,
+        "top_p": 0.9,
+    }
+    check_recording(stored, asked(), RECORDING)  # the defaults replay it
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"contexts": [512]}, "contexts [2048, 4096] (asked [512])"),
+        ({"seeds": 1}, "seeds 3 (asked 1)"),
+        ({"new_tokens": 256}, "new_tokens 128 (asked 256)"),
+        ({"T": 1.0}, "T 0.7 (asked 1.0)"),
+    ],
+)
+def test_a_recording_made_with_other_settings_is_refused_by_name(
+    change: dict[str, object], named: str
+) -> None:
+    stored = json.loads(RECORDING.read_text())
+    with pytest.raises(ValueError, match="recorded with other settings") as raised:
+        check_recording(stored, asked(**change), RECORDING)
+    assert named in str(raised.value)
