@@ -141,16 +141,17 @@ def main() -> None:
         "--output", type=Path, default=Path("results/drafters/sampled_replay.jsonl")
     )
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model, tokenizer = load_model_and_tokenizer(progress=False)
-    env = environment(model, args.threads)
-    if args.outputs.exists():
+    stored: dict[str, Any] | None = None
+    if args.outputs.exists():  # checked before the model loads: a mismatch fails at once
         stored = json.loads(args.outputs.read_text())
         try:
             check_recording(stored, args, args.outputs)
         except ValueError as error:
             parser.error(str(error))
-    else:
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model_and_tokenizer(progress=False)
+    env = environment(model, args.threads)
+    if stored is None:
         stored = {
             "command": "python " + " ".join(sys.argv),
             "temperature": args.T,
