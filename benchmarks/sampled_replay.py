@@ -47,7 +47,7 @@ from knapspec.model.provision import load_model_and_tokenizer
 
 if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.tree_replay import CURVE_SLOPES, POLICIES, CurveCost, replay
+from benchmarks.tree_replay import CURVE_SLOPES, POLICIES, CurveCost, replay, write_rows
 
 
 def wall_bound(prefill_s: float, decode_s: float, decode_speedup: float) -> float:
@@ -193,10 +193,7 @@ def main() -> None:
                     "wall_bound": bound,
                 }
             )
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    with args.output.open("w") as handle:
-        for row in rows:
-            handle.write(json.dumps({**row, "env": env}) + "\n")
+    write_rows(args.output, rows, env)
     summarise(rows)
 
 

@@ -242,11 +242,16 @@ def main() -> None:
                         **result,
                     }
                 )
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    with args.output.open("w") as handle:
+    write_rows(args.output, rows, env)
+    summarise(rows)
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]], env: dict[str, Any]) -> None:
+    """One JSON line per replayed output and policy, each with the environment."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as handle:
         for row in rows:
             handle.write(json.dumps({**row, "env": env}) + "\n")
-    summarise(rows)
 
 
 def summarise(rows: list[dict[str, Any]]) -> None:
