@@ -212,7 +212,7 @@ def main() -> None:
         "--long-input", type=Path, default=Path("results/drafters/replay_outputs.json")
     )
     parser.add_argument("--spec-bench", type=Path, default=None, help="a Spec-Bench run dir")
-    parser.add_argument("--curve", nargs="+", default=["measured", "wide"])
+    parser.add_argument("--curve", nargs="+", default=["measured", "wide"], choices=CURVE_SLOPES)
     parser.add_argument("--max-draft", type=int, default=10)
     parser.add_argument(
         "--threads", type=int, default=2, help="the cost model of this thread count"
