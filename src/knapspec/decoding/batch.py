@@ -197,17 +197,32 @@ class BatchRun:
         """``row``'s token at ``position`` and, when sampled, its distribution."""
         return self.samplers[row].choose(logits, position)
 
+    def _token_limit(self, row: int) -> int:
+        """``row``'s ``max_new_tokens`` (one for every row here; a server's rows differ)."""
+        return self.max_new_tokens
+
+    def _stop_ids(self, row: int) -> frozenset[int]:
+        """``row``'s stop token ids (the same for every row here)."""
+        return self.stop_ids
+
+    def _failed_rows(self, active: list[int], logits: torch.Tensor, widths: list[int]) -> set[int]:
+        """Slots of ``active`` whose verification ``logits`` (packed, ``widths`` per row)
+        are not finite and leave the round uncommitted. Here every such pass raises
+        :class:`NonFiniteLogitsError` (the call fails); a server fails those rows alone."""
+        check_finite(logits, "batched verification", error=NonFiniteLogitsError.during)
+        return set()
+
     def _commit(self, row: int, tokens: list[int]) -> int:
         """Append up to the limit / first stop token; returns how many were kept."""
-        output, stats = self.outputs[row], self.stats[row]
+        output, stats, limit = self.outputs[row], self.stats[row], self._token_limit(row)
         kept: list[int] = []
-        for token in tokens[: self.max_new_tokens - len(output)]:
+        for token in tokens[: limit - len(output)]:
             kept.append(token)
-            if token in self.stop_ids:
+            if token in self._stop_ids(row):
                 stats.stop_reason = "eos"
                 break
         output.extend(kept)
-        if not stats.stop_reason and len(output) >= self.max_new_tokens:
+        if not stats.stop_reason and len(output) >= limit:
             stats.stop_reason = "max_new_tokens"
         return len(kept)
 
@@ -299,7 +314,7 @@ class BatchRun:
         for row in active:
             room = min(
                 self.max_draft_length,
-                self.max_new_tokens - len(self.outputs[row]) - 1,
+                self._token_limit(row) - len(self.outputs[row]) - 1,
                 engine.max_context - lengths[row] - 1,
             )
             rooms.append(max(0, room))
@@ -318,7 +333,7 @@ class BatchRun:
         verify_start = self._now()
         # (Σ widths, vocab): row after row, only the real tokens' logits.
         logits = forward_batch(engine, inputs, contexts, cache, widths=widths, packed_logits=True)
-        check_finite(logits, "batched verification", error=NonFiniteLogitsError.during)
+        failed = self._failed_rows(active, logits, widths)
         new_lengths = []
         offset = 0
         for slot, row in enumerate(active):
@@ -326,6 +341,9 @@ class BatchRun:
             tokens = list(draft.tokens)
             scores = logits[offset : offset + len(tokens) + 1]
             offset += widths[slot]
+            if slot in failed:  # nothing committed; the row has stopped and leaves
+                new_lengths.append(lengths[row])
+                continue
             # The pending token sits at position lengths[row]; row 0 picks the next one.
             verdict = self.samplers[row].verify(draft, scores, lengths[row] + 1)
             # Inputs at positions n .. n + accepted are now this row's: keep their K/V only.

@@ -55,6 +55,7 @@ from knapspec.decoding.batch_policy import (
     CostModelBatchPolicy,
     PlainBatchPolicy,
 )
+from knapspec.decoding.continuous import ContinuousBatch
 from knapspec.decoding.conversation import Conversation
 from knapspec.decoding.prefix_cache import PrefixCache
 from knapspec.decoding.run import GenerationResult, LogitsProcessor
@@ -372,22 +373,8 @@ class SpeculativeDecoder:
         params = sampling_params(sampling) if sampling is not None else self.sampling
         stop_ids = stop_set(eos_token_id)
         samplers = row_samplers(params, len(prompts), seeds, self.engine.device)
-        if self._calibrated_cost_model is not self.cost_model:  # a new cost model: new prices
-            self._batch_calibration = BatchPassCalibration()
-            self._batch_draft_calibration = BatchPassCalibration()
-            self._calibrated_cost_model = self.cost_model
         if policy is None:
-            policy = (
-                CostModelBatchPolicy(
-                    self.cost_model,
-                    self.max_draft_length,
-                    calibration=self._batch_calibration,
-                    draft_calibration=self._batch_draft_calibration,
-                    lookup=bool(self.planner.proposal_drafters()),
-                )
-                if self.cost_model is not None
-                else PlainBatchPolicy()
-            )
+            policy = self._default_batch_policy()
         with self._lock:
             run = BatchRun(
                 self.engine,
@@ -407,6 +394,51 @@ class SpeculativeDecoder:
                 prefix_cache=self.prefix_cache,
             )
             return run.execute()
+
+    def continuous_batch(self, lanes: int, capacity: int) -> ContinuousBatch:
+        """A :class:`~knapspec.decoding.continuous.ContinuousBatch` on this decoder: rows
+        added and cancelled between rounds by one owner (a server's scheduler), each with
+        its own limit, stop ids and sampling, decoded by the batch path of
+        :meth:`generate_batch` (the same policy, drafters and prefix cache).
+
+        Args:
+            lanes: rows decoded at once.
+            capacity: tokens per row (prompt + new tokens + draft room), capped by the
+                model's context; the batch K/V cache holds ``lanes × capacity`` tokens.
+        """
+        return ContinuousBatch(
+            self.engine,
+            self._cache,
+            lanes=lanes,
+            capacity=capacity,
+            policy=self._default_batch_policy(),
+            max_draft_length=self.max_draft_length,
+            drafters=self.drafters,
+            proposers=sorted(self.planner.proposal_drafters()),
+            plan_subnetwork=self._batch_subnetwork_planner(self.sampling, capacity),
+            capture_points=self.planner.uses_window,
+            prefix_cache=self.prefix_cache,
+            lock=self._lock,
+        )
+
+    def _default_batch_policy(self) -> BatchDraftPolicy:
+        """The batch TPT search over this decoder's cost model (lookup drafts if the
+        planner prices them, its sub-network if it chose one), or plain batched decoding
+        when there is no cost model. Its calibration of batched passes is kept across
+        calls (it describes the machine), until the cost model changes."""
+        if self._calibrated_cost_model is not self.cost_model:  # a new cost model: new prices
+            self._batch_calibration = BatchPassCalibration()
+            self._batch_draft_calibration = BatchPassCalibration()
+            self._calibrated_cost_model = self.cost_model
+        if self.cost_model is None:
+            return PlainBatchPolicy()
+        return CostModelBatchPolicy(
+            self.cost_model,
+            self.max_draft_length,
+            calibration=self._batch_calibration,
+            draft_calibration=self._batch_draft_calibration,
+            lookup=bool(self.planner.proposal_drafters()),
+        )
 
     def _batch_subnetwork_planner(
         self, params: SamplingParams, max_new_tokens: int
