@@ -16,6 +16,7 @@ from knapspec.cli.chat import run_chat
 from knapspec.cli.common import PROG, load_decoder_config, positive_int
 from knapspec.cli.generate import run_generate
 from knapspec.cli.plan import run_plan, run_profile
+from knapspec.cli.serve import run_serve
 from knapspec.cli.tune import run_tune
 
 
@@ -227,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_options(tune)
     tune.set_defaults(handler=run_tune)
 
+    _add_serve_parser(commands)
+
     bench = commands.add_parser(
         "bench",
         help="run the benchmark harness or Spec-Bench (knapspec bench --help, knapspec bench "
@@ -237,6 +240,75 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_options(bench)
     bench.set_defaults(handler=_run_bench)
     return parser
+
+
+def _add_serve_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="serve the model over an OpenAI-compatible HTTP API (needs knapspec[serve])",
+        description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /metrics) over one speculative decoder: requests are batched "
+        "continuously, each its own speculative row, and every answer equals the same "
+        "request sent alone (greedy, or sampled with a seed). See docs/serving.md.",
+    )
+    _add_model_option(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind. Default: %(default)s.")
+    serve.add_argument("--port", type=int, default=8000, help="port to bind. Default: %(default)s.")
+    serve.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $KNAPSPEC_API_KEY if "
+        "set, else no key)",
+    )
+    serve.add_argument(
+        "--max-batch",
+        metavar="B",
+        type=positive_int,
+        default=8,
+        help="requests decoded at once (rows of the batch). Default: %(default)s.",
+    )
+    serve.add_argument(
+        "--max-queue",
+        metavar="Q",
+        type=positive_int,
+        default=64,
+        help="requests that may wait for a row; more get 429 with Retry-After. "
+        "Default: %(default)s.",
+    )
+    serve.add_argument(
+        "--max-model-len",
+        metavar="N",
+        type=positive_int,
+        default=None,
+        help="tokens per row (prompt + completion + draft room); longer requests get 400. "
+        "The K/V cache for max-batch rows of N tokens is allocated up front. Default: 4096 "
+        "or the model's context if shorter.",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model name clients send. Default: SmolLM2-135M-Instruct for the default "
+        "model, else the model directory's name.",
+    )
+    serve.add_argument(
+        "--drain-timeout",
+        metavar="S",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to let requests in flight finish before cancelling them. "
+        "Default: %(default)s.",
+    )
+    serve.add_argument(
+        "--threads", metavar="T", type=positive_int, default=None, help="torch threads"
+    )
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="uvicorn's log level. Default: %(default)s.",
+    )
+    _add_config_options(serve)
+    serve.set_defaults(handler=run_serve)
 
 
 def _run_bench(args: argparse.Namespace, extra: Sequence[str]) -> int:

@@ -1,0 +1,67 @@
+"""``knapspec serve``: the OpenAI-compatible server (:mod:`knapspec.serve`).
+
+Like the rest of :mod:`knapspec.cli`, this module imports only the standard library at
+the top; the server's packages (the ``serve`` extra) load when the command runs, and their
+absence is one clear error line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from collections.abc import Sequence
+from pathlib import Path
+
+from knapspec.cli.common import RunError, UsageError, load_decoder_config
+
+#: What the ``serve`` extra installs (module names).
+SERVE_MODULES = ("fastapi", "uvicorn", "sse_starlette", "prometheus_client")
+
+
+def run_serve(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    """The ``serve`` subcommand; returns the exit code."""
+    missing = [name for name in SERVE_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise RunError(
+            f"knapspec serve needs the serve extra ({', '.join(missing)} missing): "
+            "pip install 'knapspec[serve]'"
+        )
+    config = load_decoder_config(args.config, args.overrides)
+    _check_model_path(args.model)  # fail here, not after the port has opened
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from knapspec.serve.server import api_key_from, loader, serve
+
+    load = loader(
+        args.model,
+        args.dtype,
+        config,
+        max_model_len=args.max_model_len,
+        served_model_name=args.served_model_name,
+    )
+    return serve(
+        load,
+        host=args.host,
+        port=args.port,
+        api_key=api_key_from(args.api_key),
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        drain_timeout=args.drain_timeout,
+        log_level=args.log_level,
+    )
+
+
+def _check_model_path(model: str) -> None:
+    """``--model`` names the default model or a directory with a ``config.json``."""
+    if model.strip().lower() in ("default", "smollm2", "smollm2-135m-instruct"):
+        return
+    if not (Path(model) / "config.json").is_file():
+        raise UsageError(
+            f"--model {model!r}: not a transformers model directory (no config.json there); "
+            "give 'default' or a directory written by save_pretrained"
+        )
+
+
+__all__ = ["run_serve"]

@@ -1,0 +1,145 @@
+"""``knapspec serve``'s process: the scheduler thread, the app, uvicorn, SIGTERM drain.
+
+The port opens at once and answers 503 while the scheduler thread loads the model and
+warms it up (one short batched call, so the first client does not pay for compiling
+kernels). SIGTERM (or Ctrl-C) drains: new requests get 503, uvicorn closes the port and
+lets the responses in flight finish for up to ``drain_timeout`` seconds, then the
+scheduler cancels whatever is left and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
+
+from knapspec.serve.app import create_app
+from knapspec.serve.metrics import ServerMetrics
+from knapspec.serve.scheduler import Backend, Scheduler
+from knapspec.serve.text import SharedTokenizer
+
+if TYPE_CHECKING:
+    from knapspec.config import DecoderConfig
+
+LOG = logging.getLogger("knapspec.serve")
+
+#: Rows are capped at this many tokens unless ``--max-model-len`` says otherwise: the
+#: batch K/V cache is allocated for ``max_batch × max_model_len`` tokens up front.
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, telling the scheduler to refuse new work on the first signal."""
+
+    def __init__(self, config: uvicorn.Config, scheduler: Scheduler) -> None:
+        super().__init__(config)
+        self.scheduler = scheduler
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.scheduler.begin_drain()
+        super().handle_exit(sig, frame)
+
+
+def loader(
+    model: str,
+    dtype: str,
+    config: DecoderConfig,
+    *,
+    max_model_len: int | None,
+    served_model_name: str | None,
+) -> Any:
+    """The scheduler's ``load``: model, tokenizer and decoder as ``knapspec generate``
+    builds them (the same ``--model``, ``--dtype``, ``--config`` and ``--set``)."""
+
+    def load() -> Backend:
+        from knapspec.cli.inputs import import_decoder, load_model
+        from knapspec.model.provision import DEFAULT_ALIASES, DEFAULT_MODEL_NAME
+
+        loaded, tokenizer = load_model(model, dtype)
+        decoder = import_decoder().from_config(loaded, config)
+        limit = min(max_model_len or DEFAULT_MAX_MODEL_LEN, decoder.engine.max_context)
+        eos: set[int] = set()
+        for source in (tokenizer.eos_token_id, loaded.generation_config.eos_token_id):
+            if isinstance(source, int):
+                eos.add(source)
+            elif source is not None:
+                eos.update(int(token) for token in source)
+        name = served_model_name or (
+            DEFAULT_MODEL_NAME if model.strip().lower() in DEFAULT_ALIASES else Path(model).name
+        )
+        backend = Backend(decoder, SharedTokenizer(tokenizer), name, limit, frozenset(eos))
+        _warm_up(backend)
+        LOG.info("serving %s: rows of %d tokens", name, limit)
+        return backend
+
+    return load
+
+
+def _warm_up(backend: Backend) -> None:
+    """One short batched call: kernels compile and caches fill before the first client."""
+    from knapspec.decoding.continuous import RowRequest
+
+    ids = backend.tokenizer.encode("Hello") or [0]
+    batch = backend.decoder.continuous_batch(1, min(64, backend.max_model_len))
+    batch.add(RowRequest(ids[:8], 4))
+    while batch.active:
+        batch.step()
+
+
+def serve(
+    load: Any,
+    *,
+    host: str,
+    port: int,
+    api_key: str | None,
+    max_batch: int,
+    max_queue: int,
+    drain_timeout: float,
+    log_level: str = "info",
+) -> int:
+    """Run the server until SIGTERM / Ctrl-C; returns the exit code (0 after a drain)."""
+    metrics = ServerMetrics()
+    holder: list[uvicorn.Server] = []
+
+    def give_up() -> None:  # the model did not load: stop serving 503s, exit 1
+        for running in holder:
+            running.should_exit = True
+
+    scheduler = Scheduler(
+        load, metrics, max_batch=max_batch, max_queue=max_queue, on_load_failure=give_up
+    )
+    app = create_app(scheduler, metrics, api_key=api_key)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=max(1, round(drain_timeout)),
+        access_log=False,
+    )
+    server = _DrainingServer(config, scheduler)
+    holder.append(server)
+    scheduler.start()
+    server.run()
+    clean = scheduler.stop(timeout=drain_timeout)
+    print(
+        "knapspec: stopped" + ("" if clean else " (requests still running were cancelled)"),
+        file=sys.stderr,
+    )
+    if scheduler.error is not None:
+        print(f"knapspec: error: loading the model failed: {scheduler.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def api_key_from(value: str | None) -> str | None:
+    """``--api-key``, else ``$KNAPSPEC_API_KEY`` (keeps the key out of ``ps``), else None."""
+    return value or os.environ.get("KNAPSPEC_API_KEY") or None
+
+
+__all__ = ["DEFAULT_MAX_MODEL_LEN", "api_key_from", "loader", "serve"]
