@@ -69,6 +69,27 @@ def tests(session: nox.Session) -> None:
     )
 
 
+#: What an Intel Xeon with AMX reports among its flags (the bf16 units the dtype choice reads).
+AMX_FLAGS = "avx2 fma avx512f avx512bw avx512vl avx512_bf16 avx512_vnni amx_tile amx_bf16 amx_int8"
+
+
+@nox.session(
+    python=None if TESTS_IN_ACTIVE_ENV else PYTHON,
+    venv_backend="none" if TESTS_IN_ACTIVE_ENV else None,
+)
+def amx(session: nox.Session) -> None:
+    """The tests session as an Intel Xeon with AMX would run it: ``pytest --cpu-flags`` claims
+    its flags, so ``--dtype auto`` times bfloat16 against float32 and every CPU-keyed cache
+    is kept apart. The kernels are still this CPU's; docs/extending.md says what a claim
+    covers. ``nox -s amx -- tests/test_cli.py`` narrows it."""
+    _install(session, "test")
+    selection = session.posargs or ["-m", "not slow", "-n", WORKERS]
+    session.run(
+        "python", "-m", "pytest", "-q", f"--cpu-flags={AMX_FLAGS}", *selection,
+        env={"HF_HUB_OFFLINE": "1", "HYPOTHESIS_PROFILE": "ci"},
+    )  # fmt: skip
+
+
 @nox.session(python=PYTHON)
 def slow(session: nox.Session) -> None:
     """The slow tier the tests session leaves out (``@pytest.mark.slow``): every planner

@@ -22,6 +22,29 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--cpu-flags",
+        default=None,
+        help=(
+            "run as a CPU with these flags would (space separated, e.g. 'amx_bf16 amx_tile "
+            "avx512_bf16'): sets $KNAPSPEC_CPU_FLAGS, which the dtype choice and the cache "
+            "keys read in place of /proc/cpuinfo (nox -s amx; docs/extending.md)"
+        ),
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    flags = config.getoption("--cpu-flags")
+    if flags is not None:  # before any test; subprocesses (the CLI tests) inherit it
+        os.environ["KNAPSPEC_CPU_FLAGS"] = flags
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    flags = os.environ.get("KNAPSPEC_CPU_FLAGS")
+    return f"knapspec: claimed CPU flags {flags!r} ($KNAPSPEC_CPU_FLAGS)" if flags else None
+
+
 @pytest.fixture(autouse=True)
 def _one_thread(request: pytest.FixtureRequest) -> None:
     # Tiny models run fastest on one thread (two threads contend on a 2-core CI machine).

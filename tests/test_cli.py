@@ -91,6 +91,21 @@ def test_generate_prints_completion_and_summary(model_dir: Path) -> None:
     assert "mean accepted length" in summary
 
 
+def test_generate_with_dtype_auto_on_a_cpu_claiming_amx(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (AMX Xeon): ``--dtype auto`` timed a 512-token context on this 256-token
+    model and failed, blaming the prompt. It now times within the model's context."""
+    monkeypatch.setenv("KNAPSPEC_CPU_FLAGS", "avx512f avx512_bf16 amx_tile amx_bf16")
+    monkeypatch.setenv("KNAPSPEC_CACHE", str(tmp_path))
+    result = run_cli(
+        "generate", "--model", model_dir, "--prompt", "the cat sat on", "--max-new-tokens", "4",
+        "--no-chat", "--dtype", "auto", *STATIC,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "after a 244-token context" in result.stderr, result.stderr
+
+
 def test_generate_json_with_config_file_and_chat(model_dir: Path, tmp_path: Path) -> None:
     config = tmp_path / "static.toml"
     config.write_text('[planner]\nname = "early-exit"\nexit_layer = 2\ndraft_length = 3\n')

@@ -65,3 +65,61 @@ def test_auto_measures_both_where_the_cpu_has_bf16_units_and_caches_the_verdict(
 def test_the_step_timer_runs_a_real_engine() -> None:
     step, verify = dtypes._step_seconds(SublayerEngine(tiny_model("llama")), context=16)
     assert step > 0 and verify > 0
+
+
+# ------------------------------------------- a CPU that reports bf16 units (claimed here)
+AMX_FLAGS = "avx2 avx512f avx512_bf16 amx_tile amx_bf16"
+
+
+def test_the_probe_context_fits_the_model() -> None:
+    assert dtypes.probe_context(8192) == dtypes.PROBE_CONTEXT
+    assert dtypes.probe_context(256) == 256 - dtypes.PROBE_VERIFY - 1
+    assert dtypes.probe_context(dtypes.MIN_PROBE_CONTEXT + dtypes.PROBE_VERIFY + 1) == 16
+    assert dtypes.probe_context(dtypes.MIN_PROBE_CONTEXT + dtypes.PROBE_VERIFY) is None
+
+
+def test_claimed_cpu_flags_take_the_bf16_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KNAPSPEC_CPU_FLAGS", AMX_FLAGS)
+    assert bf16_units() == ("amx_bf16", "avx512_bf16")
+    monkeypatch.setenv("KNAPSPEC_CPU_FLAGS", "avx2,fma")
+    assert bf16_units() == ()
+
+
+def test_auto_times_a_short_context_model_within_its_context(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (AMX Xeon): ``auto`` timed a 512-token context on a 256-token model and
+    the load failed with an error blaming the user's prompt."""
+    monkeypatch.setenv("KNAPSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("KNAPSPEC_CPU_FLAGS", AMX_FLAGS)
+    model = tiny_model("llama")
+    assert model.config.max_position_embeddings == 256
+    choice = choose_dtype("auto", model)  # real timing, real engines
+    assert choice.dtype in (torch.float32, torch.bfloat16)
+    assert "after a 244-token context" in choice.reason, choice.reason
+
+
+def test_auto_falls_back_to_float32_when_the_context_is_too_short_to_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("KNAPSPEC_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    model.config.max_position_embeddings = 20
+    with caplog.at_level("INFO", logger="knapspec.model.dtypes"):
+        choice = choose_dtype("auto", model, flags=AMX_FLAGS)
+    assert choice.dtype == torch.float32
+    assert "context (20 tokens) is too short" in choice.reason
+    assert choice.reason in caplog.text
+
+
+def test_auto_falls_back_to_float32_when_an_engine_cannot_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KNAPSPEC_CACHE", str(tmp_path))
+
+    def broken(model: torch.nn.Module) -> SublayerEngine:
+        raise RuntimeError("no kernel for this dtype here")
+
+    choice = choose_dtype("auto", tiny_model("llama"), flags=AMX_FLAGS, engine_factory=broken)
+    assert choice.dtype == torch.float32
+    assert "could not time the two dtypes (no kernel for this dtype here)" in choice.reason

@@ -10,12 +10,12 @@ import functools
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from knapspec.model.engine import SublayerEngine
 from knapspec.model.invariance import is_row_invariant, row_invariant_table
-from knapspec.model.kernels import KERNELS, KernelTable
+from knapspec.model.kernels import KERNELS, Kernel, KernelTable, blocked
 from knapspec.model.row_attention import attend_rows, kernel_available
 from knapspec.testing.exactness import batch_mismatches, verification_mismatches
 from knapspec.testing.models import tiny_model
@@ -48,6 +48,7 @@ def test_the_attention_kernel_builds_here(dtype: torch.dtype) -> None:
     drafted=st.integers(1, 17),
     seed=st.integers(0, 10_000),
 )
+@example(family="qwen3", dtype=torch.bfloat16, context=77, drafted=13, seed=114)  # AMX Xeon
 def test_verification_equals_one_token_steps(
     family: str, dtype: torch.dtype, context: int, drafted: int, seed: int
 ) -> None:
@@ -141,6 +142,68 @@ def test_the_probe_rejects_a_row_count_dependent_kernel() -> None:
         return torch.nn.functional.linear(x, weight, bias) * (1 + 1e-6 * (x.shape[0] > 3))
 
     assert not is_row_invariant(drifting, torch.randn(16, 16), None)
+
+
+def _split_k_above(threshold: int) -> Kernel:
+    """A mutant shaped like the kernel that broke bf16 exactness on an AMX Xeon: it
+    accumulates in float32 and rounds once, as oneDNN does, but over more than
+    ``threshold`` rows it sums the two halves of the inner dimension apart (a blocking
+    chosen by the row count). Only the float32 summation order changes, so on random
+    inputs a bfloat16 output rarely shows it."""
+
+    def kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        terms = x.float().unsqueeze(-2) * weight.float()  # (..., out, in)
+        if rows > threshold:
+            half = x.shape[-1] // 2
+            total = terms[..., :half].sum(-1) + terms[..., half:].sum(-1)
+        else:
+            total = terms.sum(-1)
+        if bias is not None:
+            total = total + bias.float()
+        return total.to(x.dtype)
+
+    return kernel
+
+
+@pytest.mark.parametrize("threshold", [2, 16, 32])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_probe_rejects_a_kernel_whose_summation_order_follows_the_row_count(
+    threshold: int, dtype: torch.dtype
+) -> None:
+    """What the probe missed on the AMX Xeon: it probed random inputs, on which a changed
+    float32 order rarely changes a bfloat16 output. The cancelling inputs expose it, past
+    16 rows too (AMX's ``F.linear`` kept rows up to 32 and changed them from 33)."""
+    assert not is_row_invariant(_split_k_above(threshold), torch.randn(32, 64).to(dtype), None)
+
+
+@pytest.mark.parametrize("height", [2, 4, 16])
+def test_a_kernel_in_blocks_of_its_safe_height_is_row_invariant_at_every_count(
+    height: int,
+) -> None:
+    mutant = _split_k_above(height)
+    weight = torch.randn(32, 64).to(torch.bfloat16)
+    assert not is_row_invariant(mutant, weight, None)
+    assert is_row_invariant(blocked(mutant, height), weight, None)
+    assert not is_row_invariant(blocked(mutant, 2 * height), weight, None)
+
+
+def test_the_mutant_forced_into_an_exact_bf16_engine_breaks_the_contract() -> None:
+    """The AMX failure on any CPU: force the mutant past the probe into every product of
+    an exact bfloat16 engine, and the contract test finds verifications that differ from
+    one-token steps (with the probe in charge, the same seeds pass: the tests above)."""
+    engine = SublayerEngine(tiny_model("qwen3").to(torch.bfloat16))
+    mutant = _split_k_above(2)
+    for shape in list(engine._dispatch):
+        engine._dispatch[shape] = tuple([mutant] * len(engine._dispatch[shape]))
+    for shape in list(engine._large):
+        engine._large[shape] = mutant
+    broken = [
+        seed
+        for seed in range(40)
+        if verification_mismatches(engine, _tokens(40, seed), _tokens(14, seed + 1))
+    ]
+    assert broken, "forcing a row-count-dependent kernel should break some verification"
 
 
 def test_the_invariance_report_says_what_runs() -> None:

@@ -9,9 +9,14 @@ widened to float32 on the fly, which is slower than float32 itself. So ``auto`` 
 * float32 on a CPU whose flags list neither ``amx_bf16`` nor ``avx512_bf16`` (no timing:
   there is nothing to gain);
 * otherwise the faster of the two by measurement on the machine at hand: one decode step
-  and one 11-token verification through the exact engine, after a 512-token context, each
-  the best of three; bfloat16 wins only if it is faster in both. The verdict is cached per
-  CPU, model and thread count.
+  and one 11-token verification through the exact engine, after a 512-token context (or
+  as much as the model's context leaves), each the best of three; bfloat16 wins only if it
+  is faster in both. The verdict is cached per CPU, model and thread count. A model whose
+  context is too short to time, or an engine that cannot run, gives float32 and says why
+  (``auto`` only chooses; it never fails a load).
+
+``$KNAPSPEC_CPU_FLAGS`` claims CPU flags in place of the machine's, so that a test (or
+``nox -s amx``) can take the bf16 path on any CPU.
 
 Exactness holds in either dtype (the engine's row-invariant kernels, ``docs/theory.md``).
 """
@@ -21,22 +26,24 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
 from knapspec.model import cachefiles
-from knapspec.model.machine import cpu_flags_digest, host_cpu_model
+from knapspec.model.machine import cpu_flags_digest, host_cpu_flags, host_cpu_model
 from knapspec.model.provision import cache_root
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = ("auto", *DTYPES)
 #: CPU flags that mark bf16 arithmetic units.
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+logger = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -52,15 +59,10 @@ class DtypeChoice:
 
 
 def bf16_units(flags: str | None = None) -> tuple[str, ...]:
-    """The bf16 flags this CPU reports (``/proc/cpuinfo``), e.g. ``("avx512_bf16",)``."""
-    if flags is None:
-        try:
-            text = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return ()
-        line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-        flags = line.partition(":")[2]
-    present = set(flags.split())
+    """The bf16 flags among ``flags`` (default: this CPU's,
+    :func:`~knapspec.model.machine.host_cpu_flags`, which ``$KNAPSPEC_CPU_FLAGS`` may
+    claim), e.g. ``("avx512_bf16",)``."""
+    present = set(host_cpu_flags()) if flags is None else set(flags.replace(",", " ").split())
     return tuple(flag for flag in BF16_FLAGS if flag in present)
 
 
@@ -71,8 +73,27 @@ def parse_dtype(name: str) -> str:
     return name
 
 
-def _step_seconds(engine: Any, context: int = 512, verify: int = 11) -> tuple[float, float]:
-    """Best-of-three seconds of one decode step and one ``verify``-token pass."""
+#: The timed steps run after this many tokens of context, where the model allows it.
+PROBE_CONTEXT = 512
+#: Tokens in the timed verification pass.
+PROBE_VERIFY = 11
+#: The shortest context worth timing: below it a step's time says little about decoding.
+MIN_PROBE_CONTEXT = 16
+
+
+def probe_context(max_context: int) -> int | None:
+    """The context :func:`choose_dtype` times after for a model of ``max_context`` tokens:
+    :data:`PROBE_CONTEXT`, or as much as fits beside the timed tokens; None when under
+    :data:`MIN_PROBE_CONTEXT` fits."""
+    fits = min(PROBE_CONTEXT, max_context - PROBE_VERIFY - 1)
+    return fits if fits >= MIN_PROBE_CONTEXT else None
+
+
+def _step_seconds(
+    engine: Any, context: int = PROBE_CONTEXT, verify: int = PROBE_VERIFY
+) -> tuple[float, float]:
+    """Best-of-three seconds of one decode step and one ``verify``-token pass after
+    ``context`` tokens (``context + verify + 1`` must fit the model)."""
     ids = torch.randint(0, engine.vocab_size, (context + verify + 1,))
     cache = engine.new_cache(context + verify + 1)
     engine.forward(ids[:context], 0, cache, all_logits=False)
@@ -131,13 +152,26 @@ def choose_dtype(
         from knapspec.model.engine import SublayerEngine
 
         engine_factory = SublayerEngine
-    fp32 = _step_seconds(engine_factory(model))
-    bf16 = _step_seconds(engine_factory(copy.deepcopy(model).to(torch.bfloat16)))
+    limit = _max_context(model)
+    context = probe_context(limit)
+    if context is None:
+        return _fall_back(
+            f"auto: the model's context ({limit} tokens) is too short to time a decode step; "
+            "float32 (pass --dtype bfloat16 to try it)"
+        )
+    try:
+        fp32 = _step_seconds(engine_factory(model), context=context)
+        bf16 = _step_seconds(
+            engine_factory(copy.deepcopy(model).to(torch.bfloat16)), context=context
+        )
+    except (RuntimeError, ValueError) as error:  # an engine that cannot run this model here
+        detail = " ".join(str(error).split())
+        return _fall_back(f"auto: could not time the two dtypes ({detail}); float32")
     faster = bf16[0] < fp32[0] and bf16[1] < fp32[1]
     reason = (
-        f"auto: measured on this CPU ({', '.join(units)}): decode step "
-        f"{fp32[0] * 1e3:.1f} ms float32 vs {bf16[0] * 1e3:.1f} ms bfloat16, 11-token "
-        f"verification {fp32[1] * 1e3:.1f} vs {bf16[1] * 1e3:.1f} ms"
+        f"auto: measured on this CPU ({', '.join(units)}) after a {context}-token context: "
+        f"decode step {fp32[0] * 1e3:.1f} ms float32 vs {bf16[0] * 1e3:.1f} ms bfloat16, "
+        f"{PROBE_VERIFY}-token verification {fp32[1] * 1e3:.1f} vs {bf16[1] * 1e3:.1f} ms"
     )
     choice = DtypeChoice(torch.bfloat16 if faster else torch.float32, reason)
     cachefiles.store(
@@ -146,12 +180,33 @@ def choose_dtype(
     return choice
 
 
+def _max_context(model: torch.nn.Module) -> int:
+    """The model's context in tokens (``max_position_embeddings``; a sliding window bounds
+    it as the engine does)."""
+    config = getattr(model, "config", None)
+    limit = int(getattr(config, "max_position_embeddings", None) or 1 << 30)
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True):
+        limit = min(limit, int(window))
+    return limit
+
+
+def _fall_back(reason: str) -> DtypeChoice:
+    """float32, with the reason logged (``auto`` never fails a load: it only chooses)."""
+    logger.info("knapspec: %s", reason)
+    return DtypeChoice(torch.float32, reason)
+
+
 __all__ = [
     "BF16_FLAGS",
     "DTYPES",
     "DTYPE_CHOICES",
+    "MIN_PROBE_CONTEXT",
+    "PROBE_CONTEXT",
+    "PROBE_VERIFY",
     "DtypeChoice",
     "bf16_units",
     "choose_dtype",
     "parse_dtype",
+    "probe_context",
 ]

@@ -103,13 +103,56 @@ def rowwise(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return torch.cat(rows).view(*x.shape[:-1], weight.shape[0])
 
 
-#: The candidate kernels by name; ``f.linear`` first (it wins ties).
-KERNELS: dict[str, Kernel] = {
+def blocked(kernel: Kernel, height: int) -> Kernel:
+    """``kernel`` over consecutive blocks of at most ``height`` rows, concatenated.
+
+    Where ``kernel`` keeps every row of a product of 1 .. ``height`` rows bitwise equal to
+    that row alone (its BLAS picks one blocking for those counts), the blocked kernel keeps
+    it for *every* row count: each block is such a product. On a 2-core Intel Xeon with AMX,
+    bfloat16 ``F.linear`` (oneDNN on the AMX tiles) kept rows up to 32 and changed them from
+    33 rows on; in blocks of 32 it is row-invariant at any count and still runs on the
+    tiles. Shapes: ``x (..., in)``, ``weight (out, in)`` -> ``(..., out)``."""
+
+    def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        in_features = x.shape[-1]
+        rows = x.numel() // in_features if in_features else 0
+        if rows <= height:
+            return kernel(x, weight, bias)
+        flat = x.reshape(rows, in_features)
+        parts = [kernel(flat[i : i + height], weight, bias) for i in range(0, rows, height)]
+        return torch.cat(parts).view(*x.shape[:-1], weight.shape[0])
+
+    return run
+
+
+#: Block heights of the blocked kernels (:func:`blocked`), tallest first: the probe tries
+#: a kernel in blocks only where it is not row-invariant as it is.
+BLOCK_HEIGHTS: tuple[int, ...] = (32, 16, 8, 4, 2)
+
+_BASE_KERNELS: dict[str, Kernel] = {
     "f.linear": f_linear,
     "transposed": transposed,
     "transposed-padded": transposed_padded,
     "onednn": onednn_packed,  # ONEDNN_KERNEL
+}
+
+
+def blocked_name(name: str, height: int) -> str:
+    """The name of kernel ``name`` run in blocks of ``height`` rows, e.g. ``"f.linear/32"``."""
+    return f"{name}/{height}"
+
+
+#: The candidate kernels by name; ``f.linear`` first (it wins ties). Each base kernel also
+#: comes in blocks of every :data:`BLOCK_HEIGHTS` height (``"onednn/16"``): row-invariance
+#: candidates only, never timed by the autotuner.
+KERNELS: dict[str, Kernel] = {
+    **_BASE_KERNELS,
     "rowwise": rowwise,  # ROWWISE_KERNEL: the exact fallback, never a timing candidate
+    **{
+        blocked_name(name, height): blocked(kernel, height)
+        for height in BLOCK_HEIGHTS
+        for name, kernel in _BASE_KERNELS.items()
+    },
 }
 PLAIN_KERNEL = "f.linear"
 #: oneDNN's packed product (its weights are reordered when a table that runs it is adopted).
@@ -335,6 +378,7 @@ def _runs(names: tuple[str, ...]) -> str:
 
 
 __all__ = [
+    "BLOCK_HEIGHTS",
     "FUSION_GROUPS",
     "KERNELS",
     "ONEDNN_KERNEL",
@@ -343,6 +387,8 @@ __all__ = [
     "SMALL_ROWS",
     "Kernel",
     "KernelTable",
+    "blocked",
+    "blocked_name",
     "f_linear",
     "linear",
     "padded_rows",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import platform
 import re
 
@@ -35,11 +36,25 @@ def host_cpu_model() -> str:
     return _cpuinfo_field("model name") or platform.processor() or platform.machine() or "unknown"
 
 
+#: Environment variable that claims CPU flags in place of ``/proc/cpuinfo``'s (space or
+#: comma separated), so that anyone can run the suite's dtype and kernel decisions as a
+#: CPU with other units would (``pytest --cpu-flags``, ``nox -s amx``; docs/extending.md).
+CPU_FLAGS_ENV = "KNAPSPEC_CPU_FLAGS"
+
+
 @functools.cache
-def host_cpu_flags() -> tuple[str, ...]:
-    """The CPU's feature flags, sorted (``/proc/cpuinfo``; empty where it is unavailable)."""
+def _reported_cpu_flags() -> tuple[str, ...]:
     flags = _cpuinfo_field("flags") or _cpuinfo_field("features") or ""
     return tuple(sorted(set(flags.split())))
+
+
+def host_cpu_flags() -> tuple[str, ...]:
+    """The CPU's feature flags, sorted: ``$KNAPSPEC_CPU_FLAGS`` where set (a claim, for
+    tests), else ``/proc/cpuinfo``'s (empty where it is unavailable)."""
+    claimed = os.environ.get(CPU_FLAGS_ENV)
+    if claimed is not None:
+        return tuple(sorted(set(claimed.replace(",", " ").split())))
+    return _reported_cpu_flags()
 
 
 def notable_cpu_flags() -> tuple[str, ...]:
@@ -80,6 +95,7 @@ def machine_description() -> dict[str, object]:
 
 
 __all__ = [
+    "CPU_FLAGS_ENV",
     "blas_description",
     "cpu_flags_digest",
     "host_cpu_flags",
