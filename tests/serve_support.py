@@ -2,10 +2,10 @@
 
 The model is a random 4-layer Llama with a word-level tokenizer and a chat template, saved
 with ``save_pretrained`` so that ``knapspec serve --model DIR`` loads it as it would a real
-one. Two of its words are rigged: ``[EOS]`` and ``poison`` get all-zero output rows, and two
-other words opposite rows, so that some logit is always above theirs and greedy decoding
-never picks them; ``poison``'s embedding can be NaN (``poison=True``), so that a prompt
-containing it fails with non-finite logits while the other requests go on.
+one. It never generates ``[EOS]``, ``[UNK]`` or ``poison`` (greedy or sampled: their logits
+are about -1000), so answers run to ``max_tokens`` and are words; ``poison``'s embedding
+can be NaN (``poison=True``), so that a prompt containing it fails with non-finite logits
+while the other requests go on.
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
-
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -57,11 +56,18 @@ def save_tiny_model(path: Path, *, poison: bool = False, context: int = 1024) ->
     )
     model = LlamaForCausalLM(config).eval()  # type: ignore[no-untyped-call]
     with torch.no_grad():
+        # Hidden dimension 0 holds a positive constant: every embedding starts with it and
+        # no layer writes there, so after the final norm it is > 0 at every position, and
+        # an output row of -1000 there (zeros elsewhere) gives a logit nobody samples.
+        model.model.embed_tokens.weight[:, 0] = 0.05
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0] = 0
+            layer.mlp.down_proj.weight[0] = 0
         head = model.lm_head.weight
         head.mul_(4)  # sharp logits: greedy near-ties are rare
-        head[vocab["cat"]] = -head[vocab["dog"]]  # one of the two is always >= 0
-        head[vocab["[EOS]"]] = 0
-        head[vocab["poison"]] = 0
+        for never in ("[EOS]", "poison", "[UNK]"):
+            head[vocab[never]] = 0
+            head[vocab[never], 0] = -1000
         if poison:
             model.model.embed_tokens.weight[vocab["poison"]] = float("nan")
     model.save_pretrained(path)
@@ -101,10 +107,12 @@ class Server:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server exited: {self.output()}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        return
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(f"{self.url}/health", timeout=2) as answer,
+            ):
+                if answer.status == 200:
+                    return
             time.sleep(0.1)
         raise TimeoutError(f"the server did not get ready in {timeout} s")
 

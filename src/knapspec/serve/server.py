@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
+from sse_starlette.sse import AppStatus
 
 from knapspec.serve.app import create_app
 from knapspec.serve.metrics import ServerMetrics
@@ -103,6 +105,9 @@ def serve(
     log_level: str = "info",
 ) -> int:
     """Run the server until SIGTERM / Ctrl-C; returns the exit code (0 after a drain)."""
+    # sse-starlette ends every stream on the first SIGTERM by default; a drain lets them
+    # finish (uvicorn still cancels what outlives --drain-timeout).
+    AppStatus.disable_automatic_graceful_drain()  # type: ignore[no-untyped-call]
     metrics = ServerMetrics()
     holder: list[uvicorn.Server] = []
 
@@ -125,8 +130,15 @@ def serve(
     server = _DrainingServer(config, scheduler)
     holder.append(server)
     scheduler.start()
-    server.run()
-    clean = scheduler.stop(timeout=drain_timeout)
+    # uvicorn raises the signal it drained on again once it is done, under the handlers
+    # it found: let that be a no-op, so that a drained server exits 0 (not -15 or 130).
+    previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run()
+        clean = scheduler.stop(timeout=drain_timeout)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     print(
         "knapspec: stopped" + ("" if clean else " (requests still running were cancelled)"),
         file=sys.stderr,
@@ -135,6 +147,10 @@ def serve(
         print(f"knapspec: error: loading the model failed: {scheduler.error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _ignore(sig: int, frame: FrameType | None) -> None:
+    """A signal handler that does nothing (the drain has already happened)."""
 
 
 def api_key_from(value: str | None) -> str | None:
