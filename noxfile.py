@@ -192,6 +192,7 @@ def vllm(session: nox.Session) -> None:
         "pytest",
         "-q",
         "-rs",
+        "-s",  # the greedy comparison's report
         "tests/test_vllm_proposer.py",
         "tests/test_vllm_real.py",
         *session.posargs,

@@ -2,7 +2,9 @@
 
 For each method (``plain``: no speculation; ``ngram3`` / ``ngram5``: vLLM's n-gram method
 drafting k = 3 / 5 tokens, ``prompt_lookup_max`` 4, ``prompt_lookup_min`` 1; ``knapspec``:
-``knapspec.integrations.vllm.KnapspecProposer`` with γ capped at ``--cap``), one server
+``knapspec.integrations.vllm.KnapspecProposer`` with γ capped at ``--cap``;
+``knapspec-off``: the same proposer never drafting, i.e. vLLM's speculative path alone,
+async scheduling off; ``knapspec-fixed``: the whole lookup proposal, unpriced), one server
 is started (127.0.0.1, ``--dtype``, ``--threads`` OpenMP threads), warmed up, and driven
 through the OpenAI completions API (streamed, greedy, ``--max-tokens`` new tokens) at each
 client count: ``c`` clients each send their next prompt as soon as their last one finished.
@@ -68,17 +70,20 @@ def method_spec(name: str, model: str, args: argparse.Namespace, log_dir: Path) 
         speculative = None
     elif name.startswith("ngram"):
         speculative = ngram_speculative(int(name.removeprefix("ngram")))
-    elif name == "knapspec":
+    elif name in ("knapspec", "knapspec-fixed", "knapspec-off"):
         speculative = knapspec_speculative(args.cap)
+        env["KNAPSPEC_VLLM_PRICING"] = {"knapspec": "tpt"}.get(name, name.split("-")[1])
     else:
-        raise SystemExit(f"unknown method {name!r}: plain, ngram3, ngram5, knapspec")
+        raise SystemExit(
+            f"unknown method {name!r}: plain, ngram<k>, knapspec, knapspec-fixed, knapspec-off"
+        )
     return ServerSpec(
         model,
         speculative=speculative,
         dtype=args.dtype,
         threads=args.threads,
         max_model_len=args.max_model_len,
-        env=env if name == "knapspec" else {},
+        env=env if name.startswith("knapspec") else {},
     )
 
 
@@ -269,6 +274,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", type=Path, default=ROOT / "results/vllm/vllm_proposer.jsonl")
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        default=Path("/tmp/knapspec-vllm-bench"),
+        help="server logs and the knapspec proposer's trace (not results: large)",
+    )
     args = parser.parse_args()
 
     if args.model is None:
@@ -277,8 +288,8 @@ def main() -> None:
         args.model = str(default_model_path())
     sets = {k: v for k, v in prompt_sets(args.model, args).items() if k in args.sets}
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    log_dir = args.output.parent / "logs"
-    log_dir.mkdir(exist_ok=True)
+    log_dir = args.log_dir
+    log_dir.mkdir(parents=True, exist_ok=True)
     plain_text: dict[tuple[int, str, int], str] = {}
 
     def write(record: dict[str, Any]) -> None:

@@ -222,6 +222,16 @@ def test_fixed_pricing_drafts_whole_proposals() -> None:
     assert len(runner.drafts[0]) == len(proposer.rows[0].proposal) > 0  # type: ignore[union-attr]
 
 
+def test_pricing_off_never_drafts() -> None:
+    proposer, clock = make(pricing="off")
+    runner = FakeRunner(proposer, clock, flat_cost)
+    truths = [copying_truth(seed) for seed in range(2)]
+    runner.start(truths, [120] * 2)
+    runner.run()
+    assert runner.outputs() == truths and runner.drafted == 0
+    assert proposer.stats.proposed_rows > 0  # it still looked up (and learned)
+
+
 def test_drafts_respect_the_cap_and_the_model_length() -> None:
     proposer, clock = make(k=3, max_model_len=124)
     runner = FakeRunner(proposer, clock, flat_cost, rows=1)

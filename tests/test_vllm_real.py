@@ -39,7 +39,7 @@ from knapspec.integrations.vllm_server import (  # noqa: E402
 MAX_TOKENS = 64
 #: The largest top-two log-probability gap at which a differing answer counts as a near-tie
 #: of bf16 logits (nats). Differences above it fail the test.
-NEAR_TIE = 1.0
+NEAR_TIE = 0.5
 
 
 def test_vllm_loads_the_class_through_its_own_loader() -> None:

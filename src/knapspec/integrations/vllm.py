@@ -237,8 +237,9 @@ class KnapspecProposer:
             if row.proposal:
                 self.stats.proposed_rows += 1
             reaches.append(self._reach(row))
-        if self.config.pricing == "fixed":
-            gammas = [len(r) for r in reaches]
+        if self.config.pricing != "tpt":  # the ablations: the whole proposal, or nothing
+            whole = self.config.pricing == "fixed"
+            gammas = [len(r) if whole else 0 for r in reaches]
             tpt = plain = float("nan")
         else:
             gammas, tpt, plain = price_batch(reaches, self.curve)

