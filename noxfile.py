@@ -23,6 +23,8 @@ WORKERS = str(min(4, os.cpu_count() or 1))
 
 #: What the tests session imports (module names).
 TEST_MODULES = ("torch", "transformers", "pytest", "xdist", "hypothesis", "scipy", "knapspec")
+#: What the serve tests import besides (the serve extra and the openai client).
+TEST_MODULES += ("fastapi", "uvicorn", "sse_starlette", "prometheus_client", "openai")
 
 
 def _active_env_runs_the_tests() -> bool:

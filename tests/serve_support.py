@@ -89,7 +89,7 @@ def environment() -> dict[str, str]:
 class Server:
     """``knapspec serve`` in a subprocess on 127.0.0.1 and a free port."""
 
-    def __init__(self, model: Path, *args: str) -> None:
+    def __init__(self, model: Path | str, *args: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "knapspec.cli", "serve", "--model", str(model)]
@@ -129,10 +129,10 @@ class Server:
 
 
 @contextlib.contextmanager
-def running(model: Path, *args: str) -> Iterator[Server]:
+def running(model: Path | str, *args: str, ready_timeout: float = 120) -> Iterator[Server]:
     server = Server(model, *args)
     try:
-        server.wait_ready()
+        server.wait_ready(ready_timeout)
         yield server
     finally:
         if server.process.poll() is None:
