@@ -107,9 +107,7 @@ def test_a_row_with_nan_logits_mid_decode_fails_alone() -> None:
     for victim, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
         poison = output[2]
         others = [
-            i
-            for i in range(len(prompts))
-            if i != victim and poison not in prompts[i] + outputs[i]
+            i for i in range(len(prompts)) if i != victim and poison not in prompts[i] + outputs[i]
         ]
         if poison not in prompt and poison not in output[:2] and others:
             break

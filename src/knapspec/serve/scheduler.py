@@ -199,6 +199,11 @@ class Scheduler:
         with self._cond:
             return len(self._waiting), len(self._running)
 
+    @property
+    def busy(self) -> bool:
+        """Whether the scheduler thread still runs (after :meth:`stop`: it was loading)."""
+        return self._thread.is_alive()
+
     def begin_drain(self) -> None:
         """Refuse new requests (503); those queued or running go on."""
         with self._cond:
@@ -219,7 +224,7 @@ class Scheduler:
                 request.cancelled = True
             self._stop = True
             self._cond.notify()
-        if self._thread.is_alive():
+        if self._thread.is_alive() and self.backend is not None:  # loading cannot be cut
             self._thread.join(timeout=30)
         self.state = STOPPED
         return clean

@@ -143,10 +143,17 @@ def serve(
         "knapspec: stopped" + ("" if clean else " (requests still running were cancelled)"),
         file=sys.stderr,
     )
+    code = 0
     if scheduler.error is not None:
         print(f"knapspec: error: loading the model failed: {scheduler.error}", file=sys.stderr)
-        return 1
-    return 0
+        code = 1
+    if scheduler.busy:
+        # Stopped while the model was still loading or measuring: that thread cannot be
+        # interrupted, and tearing the interpreter down under it aborts the process.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _ignore(sig: int, frame: FrameType | None) -> None:
