@@ -265,6 +265,13 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["plain", "ngram3", "ngram5", "knapspec"])
     parser.add_argument("--clients", nargs="+", type=int, default=[1, 4, 16])
     parser.add_argument("--sets", nargs="+", default=["specbench", "copy"])
+    parser.add_argument(
+        "--copy-clients",
+        nargs="+",
+        type=int,
+        default=None,
+        help="client counts of the copy set (default: --clients; 2k-token prefills are slow)",
+    )
     parser.add_argument("--per-category", type=int, default=1)
     parser.add_argument("--passage-tokens", type=int, default=2048)
     parser.add_argument("--copy-seeds", type=int, default=1)
@@ -304,6 +311,8 @@ def main() -> None:
             stream_one(server, sets[next(iter(sets))][0][1], 8)  # warm-up
             for clients in args.clients:
                 for set_name, prompts_ in sets.items():
+                    if set_name == "copy" and clients not in (args.copy_clients or args.clients):
+                        continue
                     requests = [
                         prompts_[i % len(prompts_)] for i in range(max(len(prompts_), clients))
                     ]

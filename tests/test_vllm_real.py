@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +38,8 @@ from knapspec.integrations.vllm_server import (  # noqa: E402
 
 #: Greedy tokens per answer in the serve tests (short: the suite must stay bounded).
 MAX_TOKENS = 64
+#: The servers' dtype (``KNAPSPEC_VLLM_DTYPE=float32 nox -s vllm`` for the fp32 comparison).
+DTYPE = os.environ.get("KNAPSPEC_VLLM_DTYPE", "bfloat16")
 #: The largest top-two log-probability gap at which a differing answer counts as a near-tie
 #: of bf16 logits (nats). Differences above it fail the test.
 NEAR_TIE = 0.5
@@ -146,9 +149,11 @@ def served(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     env = {"KNAPSPEC_VLLM_TRACE": str(trace), "KNAPSPEC_CACHE": str(root / "cache")}
     results: dict[str, Any] = {"trace": trace}
     configs: dict[str, ServerSpec] = {
-        "plain": ServerSpec(model_dir),
-        "ngram5": ServerSpec(model_dir, speculative=ngram_speculative(5)),
-        "knapspec": ServerSpec(model_dir, speculative=knapspec_speculative(16), env=env),
+        "plain": ServerSpec(model_dir, dtype=DTYPE),
+        "ngram5": ServerSpec(model_dir, speculative=ngram_speculative(5), dtype=DTYPE),
+        "knapspec": ServerSpec(
+            model_dir, speculative=knapspec_speculative(16), dtype=DTYPE, env=env
+        ),
     }
     for name, spec in configs.items():
         with VllmServer(spec, python=sys.executable, log=root / f"{name}.log") as server:
@@ -203,11 +208,11 @@ def test_knapspec_answers_equal_vllm_without_speculation(served: dict[str, Any])
     for method in ("ngram5", "knapspec"):
         equal, notes = _report(served, method)
         report[method] = {"equal": equal, "of": len(served["plain"]), "differences": notes}
-    print(json.dumps(report, indent=1))
+    print(json.dumps({"dtype": DTYPE, **report}, indent=1))
     for method, entry in report.items():
         for note in entry["differences"]:
             gap = float(note.rsplit(" ", 1)[1])
-            assert gap <= NEAR_TIE, f"{method} {note}: not a near-tie of bf16 logits"
+            assert gap <= NEAR_TIE, f"{method} {note}: not a near-tie of {DTYPE} logits"
     metrics = served["knapspec-metrics"]
     assert metrics["spec_decode_num_draft_tokens_total"] > 0  # it drafted
     assert metrics["spec_decode_num_accepted_tokens_total"] > 0  # and vLLM accepted
