@@ -288,3 +288,22 @@ def test_probe_verdicts_are_cached_and_a_bad_cache_file_is_probed_again(
     with pytest.warns(CacheWarning, match="measuring again"):
         again = row_invariant_table(engine, engine.kernels)
     assert again.kernels == first.kernels
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_an_exact_and_an_inexact_engine_on_one_model_work_independently(
+    dtype: torch.dtype,
+) -> None:
+    """Building a second engine (``exact=False``) on the model of an exact one changes
+    nothing for the first: fusion is shared, kernel tables are per engine."""
+    from knapspec import SpeculativeDecoder
+
+    model = tiny_model("llama").to(dtype)
+    exact = SublayerEngine(model)
+    before = SpeculativeDecoder(exact).generate(_tokens(30, 1), max_new_tokens=20).tokens
+    loose = SublayerEngine(model, exact=False)
+    assert not loose.exact and loose.invariance is None
+    assert verification_mismatches(exact, _tokens(30, 2), _tokens(9, 3)) == []
+    after = SpeculativeDecoder(exact).generate(_tokens(30, 1), max_new_tokens=20).tokens
+    assert torch.equal(before, after)
+    assert SpeculativeDecoder(loose).generate(_tokens(30, 1), max_new_tokens=20).tokens.numel()

@@ -193,7 +193,7 @@ def _max_context(model: torch.nn.Module) -> int:
 
 def _fall_back(reason: str) -> DtypeChoice:
     """float32, with the reason logged (``auto`` never fails a load: it only chooses)."""
-    logger.info("knapspec: %s", reason)
+    logger.info("%s", reason)
     return DtypeChoice(torch.float32, reason)
 
 

@@ -14,9 +14,13 @@ weights, and only kernels that pass may run.
 contract:
 
 * per weight shape, one kernel for every row count, few and many (a batched verification
-  may pack more than :data:`~knapspec.model.kernels.SMALL_ROWS` rows), chosen as the first
-  that passes the probe among: the table's own one-row choice (the decode step's, timed
-  fastest there), the other kernels it uses, oneDNN, ``F.linear``, the transposed ones;
+  may pack more than :data:`~knapspec.model.kernels.SMALL_ROWS` rows): each candidate (the
+  table's own choices, oneDNN, ``F.linear``, the transposed ones) is probed as it is and,
+  where that fails, in blocks of 32, 16, .. 2 rows (:func:`~knapspec.model.kernels.blocked`:
+  on an AMX Xeon bf16 ``F.linear`` keeps rows up to 32, so in blocks of 32 it keeps the
+  contract on the AMX tiles); among those that pass, the fastest by a timing of decode,
+  verification and prefill sizes (:data:`TIMED_ROWS`) runs. The probe has the last word,
+  the clock only ranks what it let through;
 * per fusion group, one decision for every row count, products over ``max_rows`` rows
   included (a fused and an unfused product round differently);
 * where nothing passes, ``rowwise``: each row its own one-row product. Exact by
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -68,7 +73,7 @@ logger = logging.getLogger(__name__)
 PROBE_ROWS: tuple[int, ...] = (*range(2, SMALL_ROWS + 1), 17, 24, 31, 32, 33, 48, 63, 64, 65, 96)
 
 #: Bumped whenever the probe gets stronger: cached verdicts of a weaker probe are not reused.
-PROBE_REVISION = 2
+PROBE_REVISION = 3
 
 #: Magnitude of the cancelling pairs in :func:`cancelling_inputs` (see there).
 _CANCELLING_SCALE = 2.0**12
@@ -162,12 +167,15 @@ class InvarianceReport:
         kernels: per shape name, the kernel it runs for every row count.
         failed: per shape name, the candidates that broke the contract here.
         fused: per fusion group, whether it runs fused (for every row count).
+        timed: per shape name where several kernels kept the contract, each one's score in
+            seconds (:data:`TIMED_ROWS`); the fastest runs.
     """
 
     table: KernelTable
     kernels: dict[str, str]
     failed: dict[str, tuple[str, ...]]
     fused: dict[str, bool]
+    timed: dict[str, dict[str, float]] = attrs.field(factory=dict)
 
     def summary(self) -> str:
         """One line per shape: its kernel, and what failed the probe."""
@@ -175,6 +183,10 @@ class InvarianceReport:
         for shape, kernel in sorted(self.kernels.items()):
             failed = self.failed.get(shape, ())
             note = f" (not row-invariant here: {', '.join(failed)})" if failed else ""
+            scores = self.timed.get(shape, {})
+            if scores:
+                timing = ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in sorted(scores.items()))
+                note += f" [timed: {timing}]"
             lines.append(f"{shape}: {kernel}{note}")
         for group, fused in sorted(self.fused.items()):
             lines.append(f"{group}: {'fused' if fused else 'separate'}")
@@ -182,6 +194,8 @@ class InvarianceReport:
 
 
 def _candidates(table: KernelTable, shape: Shape, onednn: bool) -> list[str]:
+    """The unblocked kernels to probe for ``shape``, in order of preference (each is also
+    tried in blocks where it fails as it is: :func:`_choose`)."""
     names = table.choices.get(shape, ())
     ordered = [*names[:1], *(name for name, _ in Counter(names).most_common())]
     if shape in table.large:
@@ -193,22 +207,64 @@ def _candidates(table: KernelTable, shape: Shape, onednn: bool) -> list[str]:
     ordered += [PLAIN_KERNEL, "transposed-padded", "transposed"]
     unique: list[str] = []
     for name in ordered:
-        if name not in unique and name in KERNELS and (onednn or name != ONEDNN_KERNEL):
-            unique.append(name)
-    # Then the same kernels in blocks (tallest first): a kernel that keeps rows up to some
-    # count is row-invariant at every count in blocks of that many rows.
-    bases = [name for name in unique if name != ROWWISE_KERNEL and "/" not in name]
-    return unique + [blocked_name(name, height) for height in BLOCK_HEIGHTS for name in bases]
+        base = name.partition("/")[0]
+        if (
+            base not in unique
+            and base in KERNELS
+            and base != ROWWISE_KERNEL
+            and (onednn or base != ONEDNN_KERNEL)
+        ):
+            unique.append(base)
+    return unique
 
 
-def _choose(role: LinearRole, candidates: Sequence[str]) -> tuple[str, tuple[str, ...]]:
+#: Row counts a kernel that keeps the contract is timed at, and the weight of each in its
+#: score: decode steps (1 row), verifications (4 and 16) and a prefill (512 rows, which a
+#: call runs once against about 64 verifications of 128 new tokens, hence 1/8 of its time).
+TIMED_ROWS: dict[int, float] = {1: 1.0, 4: 1.0, 16: 1.0, 512: 1 / 8}
+
+
+def _score_seconds(kernel: Kernel, weight: torch.Tensor, bias: torch.Tensor | None) -> float:
+    """The weighted sum over :data:`TIMED_ROWS` of ``kernel``'s best-of-three seconds."""
+    total = 0.0
+    with torch.inference_mode():
+        for rows, share in TIMED_ROWS.items():
+            x = torch.randn(rows, weight.shape[1]).to(weight.device, weight.dtype)
+            kernel(x, weight, bias)  # warm-up (oneDNN reorders a weight on first use)
+            best = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                kernel(x, weight, bias)
+                best = min(best, time.perf_counter() - start)
+            total += share * best
+    return total
+
+
+def _choose(
+    role: LinearRole, candidates: Sequence[str]
+) -> tuple[str, tuple[str, ...], dict[str, float]]:
+    """The fastest kernel that keeps the contract for ``role``: each candidate as it is, or
+    else in the tallest blocks (:data:`BLOCK_HEIGHTS`) that pass; rowwise where none does.
+
+    Returns:
+        the kernel's name, the names that failed the probe, and each passing kernel's
+        score in seconds (:data:`TIMED_ROWS`; empty when only one passed).
+    """
     weight, bias = role.tensors[0]
     failed: list[str] = []
-    for name in candidates:
-        if is_row_invariant(KERNELS[name], weight, bias):
-            return name, tuple(failed)
-        failed.append(name)
-    return ROWWISE_KERNEL, tuple(failed)
+    passing: list[str] = []
+    for base in candidates:
+        for name in (base, *(blocked_name(base, height) for height in BLOCK_HEIGHTS)):
+            if is_row_invariant(KERNELS[name], weight, bias):
+                passing.append(name)
+                break
+            failed.append(name)
+    if not passing:
+        return ROWWISE_KERNEL, tuple(failed), {}
+    if len(passing) == 1:
+        return passing[0], tuple(failed), {}
+    scores = {name: _score_seconds(KERNELS[name], weight, bias) for name in passing}
+    return min(passing, key=scores.__getitem__), tuple(failed), scores
 
 
 def _cache_path(engine: TunableEngine, table: KernelTable) -> Path:
@@ -219,14 +275,19 @@ def _cache_path(engine: TunableEngine, table: KernelTable) -> Path:
     return cache_root() / "invariance" / name
 
 
-def _parse_cached(text: str) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
+def _parse_cached(
+    text: str,
+) -> tuple[dict[str, str], dict[str, tuple[str, ...]], dict[str, dict[str, float]]]:
     data = json.loads(text)
     kernels = {str(k): str(v) for k, v in data["kernels"].items()}
     failed = {str(k): tuple(str(n) for n in v) for k, v in data["failed"].items()}
+    timed = {
+        str(k): {str(n): float(t) for n, t in v.items()} for k, v in data.get("timed", {}).items()
+    }
     unknown = set(kernels.values()) - set(KERNELS)
     if unknown:
         raise ValueError(f"unknown kernels {sorted(unknown)}")
-    return kernels, failed
+    return kernels, failed, timed
 
 
 def row_invariant_table(
@@ -251,23 +312,28 @@ def row_invariant_table(
     )
     kernels: dict[Shape, str] = {}
     failed: dict[str, tuple[str, ...]] = {}
+    timed: dict[str, dict[str, float]] = {}
     if cached is not None and {shape_name(role.shape) for role in roles} == set(cached[0]):
         kernels = {parse_shape(shape): name for shape, name in cached[0].items()}
         failed = dict(cached[1])
+        timed = dict(cached[2])
     else:
         for role in roles:
             if role.shape in kernels:
                 continue
-            name, broken = _choose(role, _candidates(table, role.shape, onednn))
+            name, broken, scores = _choose(role, _candidates(table, role.shape, onednn))
             kernels[role.shape] = name
             if broken:
                 failed[shape_name(role.shape)] = broken
+            if scores:
+                timed[shape_name(role.shape)] = scores
         release_packed()  # probing packed every weight it tried; the engine re-packs its own
         if path is not None:
             text = json.dumps(
                 {
                     "kernels": {shape_name(s): n for s, n in kernels.items()},
                     "failed": {k: list(v) for k, v in failed.items()},
+                    "timed": timed,
                 }
             )
             cachefiles.store(path, text, "row-invariance probe")
@@ -286,12 +352,12 @@ def row_invariant_table(
         )
     if failed:  # detail for the curious (the engine's invariance report keeps it too)
         logger.debug(
-            "knapspec: kernels that are not row-invariant on this machine were set aside: %s",
+            "kernels that are not row-invariant on this machine were set aside: %s",
             "; ".join(f"{shape}: {', '.join(names)}" for shape, names in sorted(failed.items())),
         )
     if ROWWISE_KERNEL in kernels.values():
         logger.warning(
-            "knapspec: no row-invariant product kernel for some weights here; they run one "
+            "no row-invariant product kernel for some weights here; they run one "
             "row at a time (exact, slower verification)"
         )
     return InvarianceReport(
@@ -299,6 +365,7 @@ def row_invariant_table(
         kernels={shape_name(shape): name for shape, name in kernels.items()},
         failed=failed,
         fused=fuse,
+        timed=timed,
     )
 
 

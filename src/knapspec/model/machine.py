@@ -16,7 +16,16 @@ import re
 import torch
 
 #: Instruction-set flags worth reading in a report (the full list is hashed into the keys).
-_NOTABLE_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")
+_NOTABLE_FLAGS = (
+    "avx",
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512_bf16",
+    "avx512_vnni",
+    "amx_tile",
+    "amx_bf16",
+)
 
 
 def _cpuinfo_field(name: str) -> str | None:

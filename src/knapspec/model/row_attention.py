@@ -124,7 +124,7 @@ def load_library() -> ctypes.CDLL | None:
         try:
             path = library_path()
             if not path.exists():
-                logger.info("knapspec: compiling the row-invariant attention kernel into %s", path)
+                logger.info("compiling the row-invariant attention kernel into %s", path)
                 _build(path)
             library = ctypes.CDLL(str(path))
             function = library.knapspec_attend_tree
@@ -141,7 +141,7 @@ def load_library() -> ctypes.CDLL | None:
         except (OSError, subprocess.SubprocessError, AttributeError) as error:
             detail = getattr(error, "stderr", b"") or b""
             logger.warning(
-                "knapspec: the row-invariant attention kernel is unavailable (%s%s); "
+                "the row-invariant attention kernel is unavailable (%s%s); "
                 "verification attends one query at a time instead (exact, slower)",
                 error,
                 f": {detail.decode(errors='replace')[:200]}" if detail else "",
