@@ -24,6 +24,7 @@ THIRD_PARTY = {
     "_parameters": "nn.Module: swapping a weight without re-registering it",
     "_forward_hooks": "nn.Module: refusing to fuse a hooked projection",
     "_forward_pre_hooks": "nn.Module: refusing to fuse a hooked projection",
+    "_exit": "os: a server stopped mid-load leaves without tearing down under a C++ thread",
 }
 
 

@@ -228,7 +228,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_options(tune)
     tune.set_defaults(handler=run_tune)
 
-    _add_serve_parser(commands)
+    _add_serve_options(
+        commands.add_parser(
+            "serve",
+            help="serve the model over an OpenAI-compatible HTTP API (needs knapspec[serve])",
+            description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
+            "/v1/models, /health, /metrics) over one speculative decoder: requests are "
+            "batched continuously, each its own speculative row, and every answer equals the "
+            "same request sent alone (greedy, or sampled with a seed). See docs/serving.md.",
+        )
+    )
 
     bench = commands.add_parser(
         "bench",
@@ -242,15 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_serve_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    serve = commands.add_parser(
-        "serve",
-        help="serve the model over an OpenAI-compatible HTTP API (needs knapspec[serve])",
-        description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
-        "/v1/models, /health, /metrics) over one speculative decoder: requests are batched "
-        "continuously, each its own speculative row, and every answer equals the same "
-        "request sent alone (greedy, or sampled with a seed). See docs/serving.md.",
-    )
+def _add_serve_options(serve: argparse.ArgumentParser) -> None:
     _add_model_option(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind. Default: %(default)s.")
     serve.add_argument("--port", type=int, default=8000, help="port to bind. Default: %(default)s.")

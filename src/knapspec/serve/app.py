@@ -21,13 +21,12 @@ from typing import Any
 
 import attrs
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sse_starlette.sse import EventSourceResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from knapspec.sampling import SamplingParams
+from knapspec.serve.errors import APIError, install_error_handlers
 from knapspec.serve.metrics import ServerMetrics
 from knapspec.serve.protocol import (
     AssistantMessage,
@@ -41,10 +40,8 @@ from knapspec.serve.protocol import (
     CompletionResponse,
     DeltaMessage,
     ErrorBody,
-    ErrorResponse,
     ModelCard,
     ModelList,
-    UnsupportedFieldError,
     Usage,
 )
 from knapspec.serve.scheduler import (
@@ -66,30 +63,6 @@ RETRY_AFTER_S = 1
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
-class APIError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = ErrorResponse(
-            error=ErrorBody(message=message, type=type, param=param, code=code)
-        )
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body.model_dump(), status_code=self.status, headers=self.headers)
-
-
 def create_app(scheduler: Scheduler, metrics: ServerMetrics, *, api_key: str | None) -> FastAPI:
     """The server's routes over ``scheduler`` (started by the caller)."""
     app = FastAPI(title="knapspec", docs_url=None, redoc_url=None)
@@ -109,7 +82,7 @@ def create_app(scheduler: Scheduler, metrics: ServerMetrics, *, api_key: str | N
                 code="invalid_api_key",
             )
 
-    _install_error_handlers(app, metrics)
+    install_error_handlers(app, metrics)
 
     def backend() -> Backend:
         if scheduler.state != READY or scheduler.backend is None:
@@ -417,47 +390,4 @@ def _chat_chunks(rid: str, served: Backend, include_usage: bool) -> ChunkMaker:
     return chunks
 
 
-# ---------------------------------------------------------------------------- errors
-def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, error: APIError) -> JSONResponse:
-        if error.status == 400:
-            metrics.requests.labels("invalid").inc()
-        return error.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
-        metrics.requests.labels("invalid").inc()
-        return _validation_error(error).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return APIError(
-            error.status_code, str(error.detail), type=kind, headers=dict(error.headers or {})
-        ).response()
-
-
-def _validation_error(error: RequestValidationError) -> APIError:
-    """A 400 naming the first offending field (pydantic's message, OpenAI's shape)."""
-    first = error.errors()[0] if error.errors() else {}
-    if first.get("type") == "json_invalid":
-        return APIError(400, f"malformed JSON body: {first.get('msg', '')}", code="invalid_json")
-    cause = (first.get("ctx") or {}).get("error")
-    if isinstance(cause, UnsupportedFieldError):
-        return APIError(400, str(cause), param=cause.field, code="unsupported_parameter")
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    # pydantic names the union member it tried (e.g. "str", "list[int]"): not a field.
-    fields = [part for part in location if not any(c in part for c in "[]") and part != "str"]
-    param = ".".join(fields) or None
-    message = str(first.get("msg", "invalid request"))
-    if first.get("type") == "missing":
-        message = f"missing required field {param!r}"
-    elif first.get("type") == "extra_forbidden":
-        message = f"unknown field {param!r}: this server does not support it"
-    elif param:
-        message = f"{param}: {message}"
-    return APIError(400, message, param=param, code=str(first.get("type", "")) or None)
-
-
-__all__ = ["APIError", "create_app"]
+__all__ = ["create_app"]
