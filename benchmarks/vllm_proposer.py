@@ -22,8 +22,11 @@ ITL: the gap between streamed chunks; a chunk may carry several tokens with spec
 acceptance from vLLM's ``/metrics`` (accepted / drafted tokens, mean accepted length per
 draft) and how many greedy answers equal the plain server's at the same client count.
 
-Methods run one after another in one run (a server per method), so the figures share the
-machine's state only roughly; on a shared 2-core box they are noisy (the JSON says so).
+Every method's server is up for the whole run (an idle one waits on its socket) and the
+methods are interleaved: a set's requests go in rounds of ``c`` (sent at once), each round
+to every method in turn, the order rotating from round to round, so that what else runs on
+the machine weighs on all methods alike. On a shared 2-core box the figures stay noisy (the
+JSON says so, with the load average).
 
     python benchmarks/vllm_proposer.py --python /work/vllm-venv/bin/python \\
         [--methods plain ngram3 ngram5 knapspec] [--clients 1 4 16] [--max-tokens 128]
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import datetime
 import itertools
 import json
@@ -59,9 +63,9 @@ from knapspec.model.machine import machine_description
 
 ROOT = Path(__file__).resolve().parents[1]
 NOISE_NOTE = (
-    "shared 2-core machine: other processes ran beside this benchmark, and the methods ran "
-    "one after another, not interleaved; absolute figures move between runs, read ratios "
-    "with care"
+    "shared 2-core machine: other processes ran beside this benchmark (see loadavg_1m); the "
+    "methods were interleaved round by round, but absolute figures move between runs: read "
+    "ratios with care"
 )
 
 
@@ -73,7 +77,11 @@ def method_spec(name: str, model: str, args: argparse.Namespace, log_dir: Path) 
         speculative = ngram_speculative(int(name.removeprefix("ngram")))
     elif name in ("knapspec", "knapspec-fixed", "knapspec-off"):
         speculative = knapspec_speculative(args.cap)
-        env["KNAPSPEC_VLLM_PRICING"] = {"knapspec": "tpt"}.get(name, name.split("-")[1])
+        env["KNAPSPEC_VLLM_PRICING"] = {
+            "knapspec": "tpt",
+            "knapspec-fixed": "fixed",
+            "knapspec-off": "off",
+        }[name]
     else:
         raise SystemExit(
             f"unknown method {name!r}: plain, ngram<k>, knapspec, knapspec-fixed, knapspec-off"
@@ -84,6 +92,7 @@ def method_spec(name: str, model: str, args: argparse.Namespace, log_dir: Path) 
         dtype=args.dtype,
         threads=args.threads,
         max_model_len=args.max_model_len,
+        kv_cache_gb=1,  # 45k tokens of SmolLM2's bf16 K/V: 16 rows of 2k; five servers at once
         env=env if name.startswith("knapspec") else {},
     )
 
@@ -358,65 +367,99 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     log_dir = args.log_dir
     log_dir.mkdir(parents=True, exist_ok=True)
-    plain_text: dict[tuple[int, str, int], str] = {}
 
     def write(record: dict[str, Any]) -> None:
         with args.output.open("a", encoding="utf-8") as out:
             out.write(json.dumps(record) + "\n")
 
     write(environment(args, args.model))
+    with contextlib.ExitStack() as stack:
+        servers = start_servers(args, log_dir, stack)
+        warm = sets[next(iter(sets))][0][1]
+        for server in servers.values():
+            stream_one(server, warm, 8)
+        for clients in args.clients:
+            for set_name, prompts_ in sets.items():
+                if set_name == "copy" and clients not in (args.copy_clients or args.clients):
+                    continue
+                count = max(len(prompts_), clients)
+                requests = [prompts_[i % len(prompts_)] for i in range(count)]
+                run_interleaved(servers, requests, clients, set_name, args, write)
+
+
+def start_servers(
+    args: argparse.Namespace, log_dir: Path, stack: contextlib.ExitStack
+) -> dict[str, VllmServer]:
+    """Every method's server, started together and left up (an idle one waits on its
+    socket), so that the methods can be interleaved request by request."""
+    servers: dict[str, VllmServer] = {}
     for method in args.methods:
         spec = method_spec(method, args.model, args, log_dir)
-        with VllmServer(spec, python=args.python, log=log_dir / f"{method}.log") as server:
-            print(f"{method}: server up in {server.startup_seconds:.0f} s", flush=True)
-            stream_one(server, sets[next(iter(sets))][0][1], 8)  # warm-up
-            for clients in args.clients:
-                for set_name, prompts_ in sets.items():
-                    if set_name == "copy" and clients not in (args.copy_clients or args.clients):
-                        continue
-                    requests = [
-                        prompts_[i % len(prompts_)] for i in range(max(len(prompts_), clients))
-                    ]
-                    before = server.metrics()
-                    records, wall = run_level(server, requests, clients, args.max_tokens)
-                    after = server.metrics()
-                    delta = {k: after[k] - before[k] for k in after}
-                    equal = 0
-                    for r in records:
-                        key = (clients, set_name, r["index"])
-                        if method == "plain":
-                            plain_text[key] = r["text"]
-                        equal += plain_text.get(key) == r["text"]
-                        write(
-                            {
-                                "kind": "request",
-                                "method": method,
-                                "clients": clients,
-                                "set": set_name,
-                                **{k: v for k, v in r.items() if k not in ("sent", "done")},
-                            }
-                        )
-                    summary = summarise(records, wall, delta)
-                    summary.update(
-                        {
-                            "kind": "summary",
-                            "method": method,
-                            "clients": clients,
-                            "set": set_name,
-                            "equal_to_plain": equal if plain_text else None,
-                            "startup_s": server.startup_seconds,
-                            # Other work on the machine (the 1-minute load average).
-                            "loadavg_1m": os.getloadavg()[0],
-                        }
-                    )
-                    write(summary)
-                    print(
-                        f"{method:9s} c={clients:2d} {set_name:9s} "
-                        f"{summary['output_tokens_per_s']:6.1f} tok/s  "
-                        f"ttft {summary['ttft_p50_s']:.2f} s  acc {summary['acceptance']}  "
-                        f"equal {equal}/{len(records)}",
-                        flush=True,
-                    )
+        server = VllmServer(spec, python=args.python, log=log_dir / f"{method}.log")
+        stack.callback(server.stop)
+        server.start()
+        servers[method] = server
+    for method, server in servers.items():
+        server.wait_ready()
+        print(f"{method}: server up in {server.startup_seconds:.0f} s", flush=True)
+    return servers
+
+
+def run_interleaved(
+    servers: dict[str, VllmServer],
+    requests: list[tuple[str, list[int]]],
+    clients: int,
+    set_name: str,
+    args: argparse.Namespace,
+    write: Any,
+) -> None:
+    """The requests in rounds of ``clients`` (each round sent at once), every round run
+    on every method in turn, the order rotating from round to round; per method the
+    throughput is its output tokens over the summed wall time of its rounds."""
+    methods = list(servers)
+    before = {m: servers[m].metrics() for m in methods}
+    records: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+    walls = dict.fromkeys(methods, 0.0)
+    for start in range(0, len(requests), clients):
+        chunk = requests[start : start + clients]
+        turn = (start // clients) % len(methods)
+        for method in methods[turn:] + methods[:turn]:
+            done, wall = run_level(servers[method], chunk, clients, args.max_tokens)
+            for record in done:
+                record["index"] += start
+            records[method].extend(done)
+            walls[method] += wall
+    plain = {r["index"]: r["text"] for r in records.get("plain", [])}
+    for method in methods:
+        after = servers[method].metrics()
+        delta = {k: after[k] - before[method][k] for k in after}
+        equal = sum(plain.get(r["index"]) == r["text"] for r in records[method])
+        for r in records[method]:
+            extra = {k: v for k, v in r.items() if k not in ("sent", "done")}
+            write(
+                {"kind": "request", "method": method, "clients": clients, "set": set_name} | extra
+            )
+        summary = summarise(records[method], walls[method], delta)
+        summary.update(
+            {
+                "kind": "summary",
+                "method": method,
+                "clients": clients,
+                "set": set_name,
+                "equal_to_plain": equal if plain else None,
+                "startup_s": servers[method].startup_seconds,
+                # Other work on the machine (the 1-minute load average).
+                "loadavg_1m": os.getloadavg()[0],
+            }
+        )
+        write(summary)
+        print(
+            f"{method:13s} c={clients:2d} {set_name:9s} "
+            f"{summary['output_tokens_per_s']:6.1f} tok/s  "
+            f"ttft {summary['ttft_p50_s']:.2f} s  acc {summary['acceptance']}  "
+            f"equal {equal}/{len(records[method])}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -153,14 +153,25 @@ class VllmServer:
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
         self.startup_seconds = float("nan")
+        self._started = time.perf_counter()
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def __enter__(self) -> VllmServer:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start(self) -> None:
+        """Launch the server without waiting for it (several can then start together)."""
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        started = time.perf_counter()
+        self._started = time.perf_counter()
         with self.log.open("wb") as sink:
             self.process = subprocess.Popen(
                 [self.python, *self.spec.arguments(self.port)],
@@ -169,13 +180,11 @@ class VllmServer:
                 env=self.spec.environment(),
                 start_new_session=True,  # its own group: the engine's workers die with it
             )
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        self.startup_seconds = time.perf_counter() - started
-        return self
+
+    def wait_ready(self) -> None:
+        """Wait until the started server answers (see the class's Raises)."""
+        self._wait_ready()
+        self.startup_seconds = time.perf_counter() - self._started
 
     def __exit__(
         self,
