@@ -9,8 +9,10 @@ question. Per pass it writes one JSON line: output tokens/s (completion tokens o
 pass's wall time), time to first token and inter-token latency (per request: the time
 from the first to the last content chunk over the tokens after the first) p50 / p95,
 failures, and how many greedy answers differ from the same question's answer at C = 1 (for
-knapspec this must be 0; a seeded sampled answer is compared likewise). Every line names
-the CPU, its bf16/AMX flags, the dtype, the threads and the commit.
+knapspec this must be 0; a seeded sampled answer is compared likewise). Before the passes,
+``--prefix-pairs`` pairs time the first token of a question about a ~2,200-token document
+cold and then warm (another question on the same document: its prefix cached). Every line
+names the CPU, its bf16/AMX flags, the dtype, the threads and the commit.
 
 ``--soak SECONDS`` runs instead a soak against one ``knapspec serve``: 16 clients sending
 mixed greedy / sampled requests, some closing their stream early, some malformed, for
@@ -37,6 +39,7 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -92,6 +95,12 @@ def main() -> None:
         help="the model directory for vLLM (default: knapspec's provisioned SmolLM2 cache)",
     )
     parser.add_argument("--modes", nargs="+", default=["greedy", "sampled"])
+    parser.add_argument(
+        "--prefix-pairs",
+        type=int,
+        default=3,
+        help="cold / warm pairs of the shared-document TTFT test (0: skip it)",
+    )
     parser.add_argument("--soak", type=float, default=0, metavar="SECONDS")
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--ready-timeout", type=float, default=900)
@@ -296,6 +305,8 @@ async def _passes(
         base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=3600
     )
     await _one(client, server.model, questions[0], 16, {"temperature": 0})  # warm-up
+    if args.prefix_pairs:
+        _write(output, {**machine, **await _prefix_ttft(client, server, system, args)})
     for mode in args.modes:
         alone: list[str] | None = None
         for concurrency in sorted(args.concurrency):
@@ -351,6 +362,46 @@ async def _passes(
                 f"failures {record['failures']}",
                 file=sys.stderr,
             )
+
+
+async def _prefix_ttft(
+    client: openai.AsyncOpenAI, server: Server, system: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Time to first token of a question about a ~2,200-token document, cold (a document
+    the server has not seen: a fresh first line) and warm (the same document, another
+    question: its prefix is cached), one request at a time."""
+    from importlib.resources import files
+
+    chapter = files("knapspec").joinpath("data/pride_and_prejudice_chapter3.txt").read_text()
+    cold: list[float] = []
+    warm: list[float] = []
+    for pair in range(args.prefix_pairs):
+        document = f"Document {pair} ({time.time_ns()}):\n\n{chapter}\n\n"
+        for question, times in (
+            ("Who arrives at the ball?", cold),
+            ("What does Mr. Darcy say about Elizabeth?", warm),
+        ):
+            result = await _one(client, server.model, document + question, 8, {"temperature": 0})
+            times.append(result.get("ttft", float("nan")))
+    cold_median = statistics.median(cold)
+    warm_median = statistics.median(warm)
+    record = {
+        "system": system,
+        "dtype": server.dtype,
+        "model": server.model,
+        "test": "shared-document TTFT",
+        "document_chars": len(chapter),
+        "pairs": args.prefix_pairs,
+        "ttft_cold_s": cold,
+        "ttft_warm_s": warm,
+        "warm_over_cold": warm_median / cold_median if cold_median > 0 else None,
+        "goal": "warm <= 0.15 x cold (issue 47)",
+    }
+    print(
+        f"{system:12s} shared document: TTFT cold {cold_median:.3f} s, warm {warm_median:.3f} s",
+        file=sys.stderr,
+    )
+    return record
 
 
 # ---------------------------------------------------------------------------- soak

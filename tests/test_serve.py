@@ -166,6 +166,16 @@ def test_stop_strings_end_the_answer(client: openai.OpenAI) -> None:
     assert chunks[-1].finish_reason == "stop"
 
 
+def test_a_shared_prefix_is_not_prefilled_again(server: Server, client: openai.OpenAI) -> None:
+    document = " ".join(WORDS * 8)  # 192 tokens, then two different questions
+    before = _metric(server, "knapspec_cached_prompt_tokens_total")
+    for question in ("the cat sat", "a dog ran far"):
+        client.completions.create(
+            model=MODEL, prompt=f"{document} {question}", max_tokens=4, temperature=0
+        )
+    assert _metric(server, "knapspec_cached_prompt_tokens_total") - before >= 8 * len(WORDS)
+
+
 # ---------------------------------------------------------------------------- exactness
 def test_answers_under_load_equal_each_request_alone(server: Server, client: openai.OpenAI) -> None:
     """Greedy and seeded sampled requests, of different lengths so that rows join and

@@ -6,6 +6,7 @@ row whose logits turn NaN mid-decode fails alone."""
 from __future__ import annotations
 
 import attrs
+import pytest
 import torch
 
 from knapspec import SpeculativeDecoder
@@ -17,9 +18,9 @@ VOCAB = 96
 Outcome = tuple[list[int], str]
 
 
-def _decoder() -> SpeculativeDecoder:
+def _decoder(prefix_cache_mib: float = 0) -> SpeculativeDecoder:
     model = tiny_llama(4, vocab_size=VOCAB, hidden_size=32, layer_damping=0.3, head_scale=8)
-    return SpeculativeDecoder(model)
+    return SpeculativeDecoder(model, {"prefix_cache_mib": prefix_cache_mib})
 
 
 def _prompts(count: int, seed: int = 1) -> list[list[int]]:
@@ -58,8 +59,11 @@ def _drive(decoder: SpeculativeDecoder, requests: list[RowRequest], lanes: int) 
     return [(tokens[k], reasons[k]) for k in range(len(requests))]
 
 
-def test_rows_joining_and_leaving_equal_each_prompt_alone() -> None:
-    decoder = _decoder()
+@pytest.mark.parametrize("prefix_cache_mib", [0, 64])
+def test_rows_joining_and_leaving_equal_each_prompt_alone(prefix_cache_mib: float) -> None:
+    """With the prefix cache (as the server runs), each prompt comes twice: the second
+    admission reuses the first's K/V."""
+    decoder = _decoder(prefix_cache_mib)
     prompts = _prompts(7)
     sampled = SamplingParams(do_sample=True, temperature=0.8, top_p=0.9)
     requests = [RowRequest(p, 12 + 5 * i) for i, p in enumerate(prompts)]

@@ -286,6 +286,15 @@ def _add_serve_options(serve: argparse.ArgumentParser) -> None:
         "or the model's context if shorter.",
     )
     serve.add_argument(
+        "--prefix-cache-mib",
+        metavar="MIB",
+        type=float,
+        default=256.0,
+        help="memory for the K/V of earlier prompts, so that a prompt sharing their prefix "
+        "(a system prompt, a document) prefills only the rest; replaces the config's "
+        "prefix_cache_mib; 0 turns it off. Default: %(default)s.",
+    )
+    serve.add_argument(
         "--served-model-name",
         metavar="NAME",
         help="the model name clients send. Default: SmolLM2-135M-Instruct for the default "

@@ -26,7 +26,13 @@ def run_serve(args: argparse.Namespace, extra: Sequence[str]) -> int:
             f"knapspec serve needs the serve extra ({', '.join(missing)} missing): "
             "pip install 'knapspec[serve]'"
         )
+    import attrs
+
     config = load_decoder_config(args.config, args.overrides)
+    if args.prefix_cache_mib < 0:
+        raise UsageError(f"--prefix-cache-mib must be >= 0, got {args.prefix_cache_mib}")
+    # A server sees shared prefixes (system prompts, documents) far more than one call.
+    config = attrs.evolve(config, prefix_cache_mib=args.prefix_cache_mib)
     _check_model_path(args.model)  # fail here, not after the port has opened
     if args.threads is not None:
         import torch
