@@ -360,3 +360,23 @@ def test_full_queue_gets_429_then_sigterm_drains(model_dir: Path) -> None:
         if server.process.poll() is None:
             server.process.kill()
             server.process.wait()
+
+
+# ---------------------------------------------------------------------------- the command
+def test_serve_refuses_a_missing_model_or_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.util
+
+    from knapspec.cli import main
+
+    assert main(["serve", "--model", str(tmp_path / "nowhere")]) == 2
+    assert "not a transformers model directory" in capsys.readouterr().err
+    real_find_spec = importlib.util.find_spec
+
+    def without_fastapi(name: str, *args: Any) -> Any:
+        return None if name == "fastapi" else real_find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_fastapi)
+    assert main(["serve"]) == 1
+    assert "pip install 'knapspec[serve]'" in capsys.readouterr().err
