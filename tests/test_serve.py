@@ -1,8 +1,9 @@
 """``knapspec serve`` as a real process on 127.0.0.1, driven by the official ``openai``
 client (sync and async, streamed and not) on a tiny random model (tests/serve_support.py).
 
-One server (``--api-key``, 4 rows) takes most tests; a second one with one row and a queue
-of one gives the 429 and then takes SIGTERM while a stream is in flight.
+One server (``--api-key``, 4 rows) takes most tests; a second one (one row, a queue of one,
+plain decoding so that a long answer holds the row for seconds) sees a client disconnect,
+gives the 429, and then takes SIGTERM while a stream is in flight.
 """
 
 from __future__ import annotations
@@ -303,42 +304,46 @@ def test_a_failing_request_fails_alone(server: Server, client: openai.OpenAI) ->
     assert client.models.list().data[0].id == MODEL
 
 
-def test_a_client_that_goes_away_frees_its_row(server: Server, client: openai.OpenAI) -> None:
-    cancelled = _metric(server, 'knapspec_requests_total{outcome="cancelled"}')
-    stream = client.completions.create(
-        model=MODEL, prompt=PROMPTS[3], max_tokens=900, temperature=0, stream=True
-    )
-    for _ in zip(range(3), stream, strict=False):
-        pass
-    stream.close()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        gone = _metric(server, 'knapspec_requests_total{outcome="cancelled"}') > cancelled
-        if gone and _metric(server, "knapspec_batch_size") == 0:
-            break
-        time.sleep(0.05)
-    assert _metric(server, 'knapspec_requests_total{outcome="cancelled"}') == cancelled + 1
-    assert _metric(server, "knapspec_batch_size") == 0
+def test_one_row_server_disconnect_429_and_sigterm_drain(tmp_path: Path) -> None:
+    """One row, a queue of one, plain decoding (one token a step, so that a long answer
+    holds the row for seconds on any machine):
 
-
-def test_full_queue_gets_429_then_sigterm_drains(model_dir: Path) -> None:
-    """One row and a queue of one: a third concurrent request gets 429 with Retry-After.
-    Then SIGTERM while a stream is in flight: the stream finishes, new requests are
-    refused, the process exits 0."""
-    server = Server(model_dir, *FLOAT32, "--max-batch", "1", "--max-queue", "1")
+    * a client that closes its stream frees the row (the request counts as cancelled);
+    * with the row busy and one request waiting, the next gets 429 with Retry-After;
+    * SIGTERM while a stream is in flight and another waits: both finish, the process
+      exits 0.
+    """
+    model = save_tiny_model(tmp_path / "long", context=4096)
+    plain = ("--set", "planner.name=autoregressive")
+    server = Server(model, *FLOAT32, *plain, "--max-batch", "1", "--max-queue", "1")
     try:
         server.wait_ready()
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        cancelled = 'knapspec_requests_total{outcome="cancelled"}'
+        gone = client.completions.create(
+            model=MODEL, prompt=PROMPTS[3], max_tokens=3000, temperature=0, stream=True
+        )
+        for _ in zip(range(3), gone, strict=False):
+            pass
+        gone.close()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if _metric(server, cancelled) == 1 and _metric(server, "knapspec_batch_size") == 0:
+                break
+            time.sleep(0.02)
+        assert _metric(server, cancelled) == 1
+        assert _metric(server, "knapspec_batch_size") == 0
+
         busy = [
             client.completions.create(
                 model=MODEL,
-                prompt=p,
-                max_tokens=900,
+                prompt=prompt,
+                max_tokens=limit,
                 temperature=0,
                 stream=True,
                 stream_options={"include_usage": True},
             )
-            for p in PROMPTS[:2]
+            for prompt, limit in ((PROMPTS[0], 3000), (PROMPTS[1], 20))
         ]
         received = [[next(iter(busy[0]))], []]  # the first holds the row; the second waits
         deadline = time.monotonic() + 10
@@ -350,11 +355,11 @@ def test_full_queue_gets_429_then_sigterm_drains(model_dir: Path) -> None:
         assert _error(caught.value)["type"] == "rate_limit_error"
 
         server.process.send_signal(signal.SIGTERM)
-        for stream, chunks in zip(busy, received, strict=True):
+        for stream, chunks, limit in zip(busy, received, (3000, 20), strict=True):
             chunks.extend(stream)
             assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
             usage = chunks[-1].usage
-            assert usage is not None and usage.completion_tokens == 900
+            assert usage is not None and usage.completion_tokens == limit
         assert server.process.wait(timeout=60) == 0
     finally:
         if server.process.poll() is None:
