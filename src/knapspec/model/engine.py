@@ -334,8 +334,11 @@ class SublayerEngine:
     def _prepack(self, table: KernelTable) -> None:
         """Reorder now every weight ``table`` runs through oneDNN (see
         :func:`knapspec.model.onednn.prepack`)."""
-        uses = {shape for shape, names in table.choices.items() if ONEDNN_KERNEL in names}
-        uses |= {shape for shape, name in table.large.items() if name == ONEDNN_KERNEL}
+        def packed(name: str) -> bool:  # oneDNN as it is or in blocks ("onednn/32")
+            return name.partition("/")[0] == ONEDNN_KERNEL
+
+        uses = {shape for shape, names in table.choices.items() if any(map(packed, names))}
+        uses |= {shape for shape, name in table.large.items() if packed(name)}
         if not uses:
             return
         separate, fused = linear_roles(self)
