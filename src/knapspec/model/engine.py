@@ -334,6 +334,7 @@ class SublayerEngine:
     def _prepack(self, table: KernelTable) -> None:
         """Reorder now every weight ``table`` runs through oneDNN (see
         :func:`knapspec.model.onednn.prepack`)."""
+
         def packed(name: str) -> bool:  # oneDNN as it is or in blocks ("onednn/32")
             return name.partition("/")[0] == ONEDNN_KERNEL
 
