@@ -307,3 +307,28 @@ def test_an_exact_and_an_inexact_engine_on_one_model_work_independently(
     after = SpeculativeDecoder(exact).generate(_tokens(30, 1), max_new_tokens=20).tokens
     assert torch.equal(before, after)
     assert SpeculativeDecoder(loose).generate(_tokens(30, 1), max_new_tokens=20).tokens.numel()
+
+
+def test_only_a_cold_prefill_runs_the_measured_kernels_for_many_rows() -> None:
+    """A prompt prefilled from position 0 (chunk invariance off) may run the fastest kernels:
+    no verification has its shape. Verifications past the prompt and every prefill once
+    chunk invariance is on keep the row-invariant ones."""
+    engine = SublayerEngine(tiny_model("llama"))
+    calls: list[int] = []
+
+    def spy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.numel() // x.shape[-1])
+        return torch.nn.functional.linear(x, weight, bias)
+
+    engine._prefill_large = dict.fromkeys(engine._large or [(97, 64)], spy)
+    engine._prefill_large[tuple(engine.lm_head.weight.shape)] = spy
+    cache = engine.new_cache(128)
+    engine.forward(_tokens(40, 1), 0, cache)  # cold prefill, 40 rows, every logit
+    assert calls and set(calls) == {40}
+    calls.clear()
+    engine.forward(_tokens(30, 2), 40, cache)  # a 30-row verification past the prompt
+    assert calls == []
+    assert not engine._cold_prefill
+    if engine.enable_chunk_invariance():
+        engine.forward(_tokens(40, 3), 0, engine.new_cache(64))
+        assert calls == []
