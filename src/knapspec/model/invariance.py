@@ -49,6 +49,7 @@ from knapspec.model.kernels import (
     KERNELS,
     ONEDNN_KERNEL,
     PLAIN_KERNEL,
+    ROW_LINEAR_KERNEL,
     ROWWISE_KERNEL,
     SMALL_ROWS,
     Kernel,
@@ -60,6 +61,8 @@ from knapspec.model.kernels import (
 )
 from knapspec.model.onednn import onednn_available, packing_fits, release_packed
 from knapspec.model.provision import cache_root
+from knapspec.model.row_linear import LIBRARY as ROW_LINEAR_LIBRARY
+from knapspec.model.row_linear import available as row_linear_available
 
 if TYPE_CHECKING:
     from knapspec.model.tunable import TunableEngine
@@ -78,7 +81,7 @@ PROBE_ROWS: tuple[int, ...] = (*range(2, SMALL_ROWS + 1), 17, 24, 31, 32, 33, 48
 ROTATED_ROWS: frozenset[int] = frozenset({3, 8, 16, 17, 32, 33, 64, 96})
 
 #: Bumped whenever the probe gets stronger: cached verdicts of a weaker probe are not reused.
-PROBE_REVISION = 4
+PROBE_REVISION = 5
 
 #: Magnitude of the cancelling pairs in :func:`cancelling_inputs` (see there).
 _CANCELLING_SCALE = 2.0**12
@@ -230,9 +233,13 @@ class InvarianceReport:
         return "\n".join(lines)
 
 
-def _candidates(table: KernelTable, shape: Shape, onednn: bool) -> list[str]:
+def _candidates(
+    table: KernelTable, shape: Shape, onednn: bool, compiled: bool = False
+) -> list[str]:
     """The unblocked kernels to probe for ``shape``, in order of preference (each is also
-    tried in blocks where it fails as it is: :func:`_choose`)."""
+    tried in blocks where it fails as it is: :func:`_choose`); with ``compiled``, the
+    compiled ``row-linear`` kernel too (row-invariant by construction, yet probed like the
+    others: the probe has the last word)."""
     names = table.choices.get(shape, ())
     ordered = [*names[:1], *(name for name, _ in Counter(names).most_common())]
     if shape in table.large:
@@ -242,6 +249,8 @@ def _candidates(table: KernelTable, shape: Shape, onednn: bool) -> list[str]:
     if onednn:
         ordered.append(ONEDNN_KERNEL)
     ordered += [PLAIN_KERNEL, "transposed-padded", "transposed"]
+    if compiled:
+        ordered.append(ROW_LINEAR_KERNEL)
     unique: list[str] = []
     for name in ordered:
         base = name.partition("/")[0]
@@ -256,11 +265,13 @@ def _candidates(table: KernelTable, shape: Shape, onednn: bool) -> list[str]:
 
 
 #: Row counts a kernel that keeps the contract is timed at, and the weight of each in its
-#: score: plain decode steps (1 row, the most frequent), verifications (4 and 16 rows) and a
-#: packed batch or tree verification (64). A cold prefill is not scored: it runs the
-#: measured kernels (``SublayerEngine``); a prefill term outweighed the decode rows and
-#: chose a kernel 2-3x slower at 1 row on an AMX Xeon.
-TIMED_ROWS: dict[int, float] = {1: 2.0, 4: 1.0, 16: 1.0, 64: 1 / 8}
+#: score, roughly how often decoding runs it: one row in every plain decode step and in
+#: every speculative step that drafts nothing (γ = 0, common where nothing pays), 4 and 8
+#: rows in lookup verifications, 16 in a draft-model or tree verification, 64 in a packed
+#: batch. A cold prefill is not scored: it runs the measured kernels (``SublayerEngine``);
+#: a prefill term outweighed the decode rows and chose a kernel 2-3x slower at 1 row on an
+#: AMX Xeon.
+TIMED_ROWS: dict[int, float] = {1: 4.0, 4: 1.0, 8: 0.5, 16: 0.25, 64: 1 / 32}
 
 
 def _score_seconds(kernel: Kernel, weight: torch.Tensor, bias: torch.Tensor | None) -> float:
@@ -317,7 +328,10 @@ def _cache_path(engine: TunableEngine, table: KernelTable) -> Path:
     """Probe results depend on the machine, BLAS, threads, dtype and shapes (the kernel
     table's key) and on the table probed; not on the weights' values."""
     key = KernelKey.for_engine(engine)
-    name = f"{key.digest()}-{table.fingerprint()}-p{PROBE_REVISION}.json"
+    name = f"{key.digest()}-{table.fingerprint()}-p{PROBE_REVISION}"
+    if row_linear_available(engine.dtype):  # a changed compiled kernel is probed afresh
+        name += "-" + ROW_LINEAR_LIBRARY.path().stem.rpartition("-")[2][:8]
+    name += ".json"
     return cache_root() / "invariance" / name
 
 
@@ -346,6 +360,7 @@ def row_invariant_table(
         weight.numel() * weight.element_size() for role in separate for weight, _ in role.tensors
     )
     onednn = engine.device.type == "cpu" and onednn_available() and packing_fits(weight_bytes)
+    compiled = engine.device.type == "cpu" and row_linear_available(engine.dtype)
     max_rows = table.max_rows or SMALL_ROWS
     fuse = {
         group: Counter(table.fuse.get(group, (False,))).most_common(1)[0][0]
@@ -367,7 +382,7 @@ def row_invariant_table(
         for role in roles:
             if role.shape in kernels:
                 continue
-            name, broken, scores = _choose(role, _candidates(table, role.shape, onednn))
+            name, broken, scores = _choose(role, _candidates(table, role.shape, onednn, compiled))
             kernels[role.shape] = name
             if broken:
                 failed[shape_name(role.shape)] = broken

@@ -8,7 +8,9 @@ CPU and its BLAS, not on the model:
 * ``transposed``: ``(W @ x.T).T``;
 * ``transposed-padded``: the same with 1 row padded to 2 and 3 rows to 4;
 * ``onednn``: oneDNN's inner product against a copy of ``W`` reordered once into its
-  blocked layout (:mod:`knapspec.model.onednn`; x86 builds of PyTorch).
+  blocked layout (:mod:`knapspec.model.onednn`; x86 builds of PyTorch);
+* ``row-linear``: a compiled kernel that is row-invariant by construction
+  (:mod:`knapspec.model.row_linear`), a candidate of exact engines only.
 
 On a 2-core AMD EPYC (MKL, AVX2) ``F.linear`` re-reads ``W`` for every row of a few-row
 product (SmolLM2's ``49152 × 576`` LM head: 7.3 ms for 1 row, 22.2 ms for 3), while
@@ -37,6 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from knapspec.model.onednn import onednn_packed
+from knapspec.model.row_linear import NAME as ROW_LINEAR_KERNEL
+from knapspec.model.row_linear import row_linear
 
 #: Row counts the table covers (1 .. SMALL_ROWS): decode, draft and verify steps (``D + 1``
 #: rows at most) and the DP's small batches. Larger products always run ``F.linear``.
@@ -148,6 +152,9 @@ def blocked_name(name: str, height: int) -> str:
 KERNELS: dict[str, Kernel] = {
     **_BASE_KERNELS,
     "rowwise": rowwise,  # ROWWISE_KERNEL: the exact fallback, never a timing candidate
+    # Row-invariant by construction (compiled C, :mod:`knapspec.model.row_linear`): a
+    # candidate of exact engines only, never tried in blocks.
+    ROW_LINEAR_KERNEL: row_linear,
     **{
         blocked_name(name, height): blocked(kernel, height)
         for height in BLOCK_HEIGHTS
@@ -384,6 +391,7 @@ __all__ = [
     "ONEDNN_KERNEL",
     "PLAIN_KERNEL",
     "ROWWISE_KERNEL",
+    "ROW_LINEAR_KERNEL",
     "SMALL_ROWS",
     "Kernel",
     "KernelTable",

@@ -30,25 +30,17 @@ row) and says so once.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from knapspec.model.compiled import CompiledLibrary
+
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "row_attention.c"
 #: The kernel's dtype codes.
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-Wno-psabi")
 
 #: Up to this many new tokens (a decode step, a verification, a short turn) attend through
 #: the row-invariant kernel when the engine is exact; a longer chunk is a prefill, which
@@ -58,96 +50,32 @@ EXACT_MAX_QUERIES = 64
 #: A tree row's visibility mask as an unsigned 64-bit value.
 _ALL_BITS = (1 << 64) - 1
 
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_tried = False
+
+def _declare(library: ctypes.CDLL) -> None:
+    function = library.knapspec_attend_tree
+    function.restype = ctypes.c_int
+    function.argtypes = [
+        *(ctypes.c_void_p,) * 7,
+        ctypes.c_int64,
+        ctypes.c_int,
+        *(ctypes.c_int64,) * 7,
+        ctypes.c_float,
+        ctypes.c_int,
+    ]
 
 
-def _cpu_flags() -> str:
-    """The CPU's model name and flags (a kernel built with ``-march=native`` on one CPU
-    may not run on another sharing the same cache)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    wanted = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(wanted)))
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def library_path() -> Path:
-    """Where the compiled kernel for this source, compiler and CPU is cached."""
-    from knapspec.model.provision import cache_root
-
-    compiler = _compiler() or "none"
-    digest = hashlib.sha256()
-    digest.update(_SOURCE.read_bytes())
-    digest.update(compiler.encode())
-    digest.update(" ".join(_FLAGS).encode())
-    digest.update(_cpu_flags().encode())
-    return cache_root() / "compiled" / f"row_attention-{digest.hexdigest()[:16]}.so"
-
-
-def _build(target: Path) -> None:
-    compiler = _compiler()
-    if compiler is None:
-        raise OSError("no C compiler (cc or gcc) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Compile beside the target and rename: two processes building at once each write
-    # their own file, and the rename is atomic, so nobody loads a half-written library.
-    handle, temporary = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(handle)
-    try:
-        subprocess.run(
-            [compiler, *_FLAGS, "-o", temporary, str(_SOURCE), "-lm"],
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
-        os.replace(temporary, target)
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
+LIBRARY = CompiledLibrary(
+    "row_attention.c",
+    "the row-invariant attention kernel",
+    "verification attends one query at a time instead (exact, slower)",
+    _declare,
+)
 
 
 def load_library() -> ctypes.CDLL | None:
     """The compiled kernel, building it on first use; None where it cannot be built or
     loaded (the reason is logged once)."""
-    global _library, _tried
-    with _lock:
-        if _tried:
-            return _library
-        _tried = True
-        try:
-            path = library_path()
-            if not path.exists():
-                logger.info("compiling the row-invariant attention kernel into %s", path)
-                _build(path)
-            library = ctypes.CDLL(str(path))
-            function = library.knapspec_attend_tree
-            function.restype = ctypes.c_int
-            function.argtypes = [
-                *(ctypes.c_void_p,) * 7,
-                ctypes.c_int64,
-                ctypes.c_int,
-                *(ctypes.c_int64,) * 7,
-                ctypes.c_float,
-                ctypes.c_int,
-            ]
-            _library = library
-        except (OSError, subprocess.SubprocessError, AttributeError) as error:
-            detail = getattr(error, "stderr", b"") or b""
-            logger.warning(
-                "the row-invariant attention kernel is unavailable (%s%s); "
-                "verification attends one query at a time instead (exact, slower)",
-                error,
-                f": {detail.decode(errors='replace')[:200]}" if detail else "",
-            )
-            _library = None
-        return _library
+    return LIBRARY.load()
 
 
 def kernel_available(dtype: torch.dtype) -> bool:

@@ -1,0 +1,252 @@
+/* Row-invariant linear products for decoding and verification (knapspec).
+ *
+ * out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for an (M, K) input and an (N, K) weight,
+ * the layout of torch.nn.Linear, float32 or bfloat16 with float32 accumulation.
+ *
+ * Every output element is computed by the same code in the same order whatever M is: its
+ * products are accumulated in ACCUMULATORS vectors of LANES lanes (chunk c of LANES
+ * consecutive k goes to accumulator c % ACCUMULATORS, lane k % LANES), the accumulators
+ * are added in a fixed order, the lanes summed by a fixed tree, then the bias added. Rows
+ * never share arithmetic: a row's result is a function of that row and the weight alone,
+ * so a one-token decode step and a k-token verification agree bitwise by construction
+ * (what BLAS does not promise: it picks its blocking, and so its summation order, from M).
+ *
+ * Speed: outputs are taken BLOCK at a time; each block's weight rows (BLOCK x K) are read
+ * from memory once and stay in the L1/L2 cache while every input row passes over them, so a
+ * product of a few rows costs about what one row costs (the weight stream dominates).
+ * Threads split the outputs, never a dot product. Where the compiler targets AVX512-BF16,
+ * bfloat16 products run on VDPBF16PS (two products per lane and instruction); elsewhere
+ * bfloat16 is widened to float32 and multiplied with FMA. Either way one build runs one
+ * code path for every row count.
+ *
+ * Plain C with GCC/Clang vector extensions and, where available, <immintrin.h>; called
+ * through ctypes, which releases the GIL.
+ */
+#include <stdint.h>
+#include <string.h>
+#include <immintrin.h>
+
+
+#if defined(__AVX512F__)
+#define LANES 16
+typedef __m512 vreg;
+#define VZERO() _mm512_setzero_ps()
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VFMA(acc, a, b) _mm512_fmadd_ps(a, b, acc)
+#define VADD(a, b) _mm512_add_ps(a, b)
+#elif defined(__AVX__) && defined(__FMA__)
+#define LANES 8
+typedef __m256 vreg;
+#define VZERO() _mm256_setzero_ps()
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VFMA(acc, a, b) _mm256_fmadd_ps(a, b, acc)
+#define VADD(a, b) _mm256_add_ps(a, b)
+#else
+/* Portable: GCC vector extensions, built with -ffp-contract=off so a*b+c stays two
+ * roundings in every instantiation. */
+#define LANES 8
+typedef float vreg __attribute__((vector_size(LANES * sizeof(float))));
+static inline vreg vzero_(void) { vreg v = {0}; return v; }
+static inline vreg vload_(const float *p) { vreg v; memcpy(&v, p, sizeof v); return v; }
+#define VZERO() vzero_()
+#define VLOAD(p) vload_(p)
+#define VFMA(acc, a, b) ((acc) + (a) * (b))
+#define VADD(a, b) ((a) + (b))
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
+
+/* The k a bfloat16 chunk covers: 2*LANES on VDPBF16PS (two products per lane), else LANES. */
+#define BF16_CHUNK (HAVE_DPBF16 ? 2 * LANES : LANES)
+
+/* Output tile: up to 4 rows by up to 8 outputs, one accumulator per output element. */
+#define MAX_ROWS 4
+#define MAX_COLS 8
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = ((uint32_t)h) << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
+    uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)((bits + rounding) >> 16);
+}
+
+/* The lanes of v summed by a fixed tree (halves, then quarters, ...). */
+static inline float lane_sum(vreg v) {
+#if defined(__AVX512F__)
+    /* GCC's and Clang's reduction: 256-bit halves, 128-bit halves, then pairs, then the
+     * last two: the same tree as the loop below, in shuffles. */
+    return _mm512_reduce_add_ps(v);
+#endif
+    float lanes[LANES];
+    memcpy(lanes, &v, sizeof lanes);
+    for (int width = LANES / 2; width >= 1; width /= 2)
+        for (int i = 0; i < width; i++) lanes[i] = lanes[i] + lanes[i + width];
+    return lanes[0];
+}
+
+/* LANES bfloat16 values widened to float32 (exactly: bf16 is the top half of a float). */
+static inline vreg load_bf16_widened(const uint16_t *p) {
+    float wide[LANES];
+    for (int i = 0; i < LANES; i++) wide[i] = bf16_to_f32(p[i]);
+    return VLOAD(wide);
+}
+
+/* One tile: rows x cols dot products of length k, each accumulated chunk by chunk in k
+ * order into its own accumulator, then lane-summed. Instantiated with constant rows/cols
+ * (always inlined), so the accumulators live in registers; every instantiation does the
+ * same arithmetic per element, which is what makes the result row-invariant. */
+static inline __attribute__((always_inline)) void tile_f32(const float *x, int64_t x_stride,
+                                                           const float *w, int64_t k,
+                                                           int rows, int cols,
+                                                           float sums[MAX_ROWS][MAX_COLS]) {
+    vreg acc[MAX_ROWS][MAX_COLS];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) acc[r][c] = VZERO();
+    for (int64_t i = 0; i < k; i += LANES) {
+        vreg xv[MAX_ROWS];
+        for (int r = 0; r < rows; r++) xv[r] = VLOAD(x + r * x_stride + i);
+        for (int c = 0; c < cols; c++) {
+            vreg wv = VLOAD(w + c * k + i);
+            for (int r = 0; r < rows; r++) acc[r][c] = VFMA(acc[r][c], xv[r], wv);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) sums[r][c] = lane_sum(acc[r][c]);
+}
+
+static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x,
+                                                            int64_t x_stride,
+                                                            const uint16_t *w, int64_t k,
+                                                            int rows, int cols,
+                                                            float sums[MAX_ROWS][MAX_COLS]) {
+#if HAVE_DPBF16
+    __m512 acc[MAX_ROWS][MAX_COLS];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 2 * LANES) {
+        __m512bh xv[MAX_ROWS];
+        for (int r = 0; r < rows; r++)
+            xv[r] = (__m512bh)_mm512_loadu_si512((const void *)(x + r * x_stride + i));
+        for (int c = 0; c < cols; c++) {
+            __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w + c * k + i));
+            for (int r = 0; r < rows; r++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv[r], wv);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) sums[r][c] = lane_sum(acc[r][c]);
+#else
+    vreg acc[MAX_ROWS][MAX_COLS];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) acc[r][c] = VZERO();
+    for (int64_t i = 0; i < k; i += LANES) {
+        vreg xv[MAX_ROWS];
+        for (int r = 0; r < rows; r++) xv[r] = load_bf16_widened(x + r * x_stride + i);
+        for (int c = 0; c < cols; c++) {
+            vreg wv = load_bf16_widened(w + c * k + i);
+            for (int r = 0; r < rows; r++) acc[r][c] = VFMA(acc[r][c], xv[r], wv);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) sums[r][c] = lane_sum(acc[r][c]);
+#endif
+}
+
+/* The tile shapes used: 4x4 and 2x8 where the rows allow (about 16 accumulators, the
+ * weight loads shared by the rows), 1x8 for a single row; narrower at the outputs' end. */
+#define CASE(R, C) \
+    case (R) * 16 + (C): \
+        if (dtype == DTYPE_F32) tile_f32((const float *)x, x_stride, (const float *)w, k, R, C, sums); \
+        else tile_bf16((const uint16_t *)x, x_stride, (const uint16_t *)w, k, R, C, sums); \
+        break;
+#define CASES(R) CASE(R, 1) CASE(R, 2) CASE(R, 3) CASE(R, 4) CASE(R, 5) CASE(R, 6) CASE(R, 7) CASE(R, 8)
+
+static void run_tile(const void *x, int64_t x_stride, const void *w, int64_t k, int rows,
+                     int cols, int dtype, float sums[MAX_ROWS][MAX_COLS]) {
+    switch (rows * 16 + cols) {
+        CASES(1)
+        CASES(2)
+        CASES(3)
+        CASES(4)
+        default: break;
+    }
+}
+
+/* Bytes of weight a thread keeps hot while every row passes over it. */
+#define BLOCK_BYTES (192 * 1024)
+
+/* The k a row must be padded to (with zeros, which change no sum but a zero's sign). */
+int64_t knapspec_row_linear_chunk(int dtype) { return dtype == DTYPE_BF16 ? BF16_CHUNK : LANES; }
+
+/* What this build computes with: LANES * 10 + 1 where bfloat16 runs on VDPBF16PS. */
+int knapspec_row_linear_build(void) { return LANES * 10 + HAVE_DPBF16; }
+
+/* out (M x N, row stride out_stride) = x (M x k, row stride x_stride) @ w.T (+ bias), w
+ * (N x k) contiguous, k a multiple of knapspec_row_linear_chunk(dtype) (the caller pads
+ * both with zeros). dtype: 0 float32, 1 bfloat16 (x, w, bias and out alike). Returns 0, or 1
+ * for an unknown dtype or a k that is not a multiple of the chunk. */
+int knapspec_row_linear(const void *x, const void *w, const void *bias, void *out,
+                        int64_t rows, int64_t k, int64_t n_out, int64_t x_stride,
+                        int64_t out_stride, int dtype, int threads) {
+    if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return 1;
+    if (k % knapspec_row_linear_chunk(dtype) != 0) return 1;
+    size_t element = dtype == DTYPE_F32 ? sizeof(float) : sizeof(uint16_t);
+    /* Blocks of outputs sized to stay in cache, their count a multiple of the threads so
+     * that none idles (the split changes no element's arithmetic). */
+    if (threads < 1) threads = 1;
+    int64_t block = BLOCK_BYTES / (k * (int64_t)element);
+    if (block < MAX_COLS) block = MAX_COLS;
+    int64_t blocks = (n_out + block - 1) / block;
+    blocks = (blocks + threads - 1) / threads * threads;
+    block = (n_out + blocks - 1) / blocks;
+    block = (block + MAX_COLS - 1) / MAX_COLS * MAX_COLS;
+    blocks = (n_out + block - 1) / block;
+    if (threads > blocks) threads = (int)blocks;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t first = b * block;
+        int64_t last = first + block < n_out ? first + block : n_out;
+        for (int64_t m = 0; m < rows;) {
+            int tile_rows = rows - m >= 4 ? 4 : (int)(rows - m);
+            if (tile_rows == 3) tile_rows = 2; /* 3 rows as 2 + 1: same arithmetic per row */
+            int width = tile_rows >= 4 ? 4 : MAX_COLS;
+            const unsigned char *x_rows = (const unsigned char *)x + m * x_stride * element;
+            for (int64_t n = first; n < last; n += width) {
+                int cols = (int)(last - n < width ? last - n : width);
+                float sums[MAX_ROWS][MAX_COLS];
+                run_tile(x_rows, x_stride, (const unsigned char *)w + n * k * element, k,
+                         tile_rows, cols, dtype, sums);
+                for (int r = 0; r < tile_rows; r++) {
+                    if (dtype == DTYPE_F32) {
+                        float *target = (float *)out + (m + r) * out_stride + n;
+                        for (int c = 0; c < cols; c++)
+                            target[c] = bias ? sums[r][c] + ((const float *)bias)[n + c]
+                                             : sums[r][c];
+                    } else {
+                        uint16_t *target = (uint16_t *)out + (m + r) * out_stride + n;
+                        for (int c = 0; c < cols; c++) {
+                            float value = sums[r][c];
+                            if (bias) value += bf16_to_f32(((const uint16_t *)bias)[n + c]);
+                            target[c] = f32_to_bf16(value);
+                        }
+                    }
+                }
+            }
+            m += tile_rows;
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,145 @@
+"""The compiled row-invariant linear kernel (``row-linear``): every row of an ``m``-row
+product is bitwise that row's one-row product, for any shape, dtype, bias and layout; the
+probe lets it through; an exact engine running it everywhere keeps the contract; where it
+cannot be built, the fallback keeps it too."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from knapspec.model import row_linear as row_linear_module
+from knapspec.model.compiled import CompiledLibrary
+from knapspec.model.engine import SublayerEngine
+from knapspec.model.invariance import first_violation, row_invariant_table
+from knapspec.model.kernels import KERNELS, ROW_LINEAR_KERNEL
+from knapspec.model.row_linear import available, build_description, row_linear
+from knapspec.testing.exactness import verification_mismatches
+from knapspec.testing.models import tiny_model
+
+DTYPES = (torch.float32, torch.bfloat16)
+#: Worst relative error against a float64 product (bf16 output rounding dominates).
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_kernel_builds_here(dtype: torch.dtype) -> None:
+    """CI machines have a C compiler; without one the kernel falls back (tested below)."""
+    assert available(dtype)
+    assert "float32 lanes" in build_description()
+    assert KERNELS[ROW_LINEAR_KERNEL] is row_linear
+
+
+@given(
+    dtype=st.sampled_from(DTYPES),
+    out_features=st.integers(1, 70),
+    in_features=st.integers(1, 200),
+    rows=st.integers(1, 40),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+def test_every_row_is_its_one_row_product_and_the_product_is_right(
+    dtype: torch.dtype,
+    out_features: int,
+    in_features: int,
+    rows: int,
+    with_bias: bool,
+    seed: int,
+) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    bias = torch.randn(out_features, generator=generator).to(dtype) if with_bias else None
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    together = row_linear(x, weight, bias)
+    assert together.shape == (rows, out_features) and together.dtype == dtype
+    for i in range(rows):
+        assert torch.equal(together[i : i + 1], row_linear(x[i : i + 1], weight, bias)), i
+    reference = torch.nn.functional.linear(
+        x.double(), weight.double(), None if bias is None else bias.double()
+    )
+    scale = x.double().abs() @ weight.double().abs().T + (
+        0 if bias is None else bias.double().abs()
+    )
+    error = ((together.double() - reference).abs() / scale.clamp_min(1e-30)).max().item()
+    assert error <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_strided_and_batched_inputs(dtype: torch.dtype) -> None:
+    weight = torch.randn(40, 96).to(dtype)
+    wide = torch.randn(2, 5, 200).to(dtype)
+    x = wide[..., 10:106]  # rows not contiguous with each other
+    out = row_linear(x, weight, None)
+    assert out.shape == (2, 5, 40)
+    assert torch.equal(out, row_linear(x.contiguous(), weight, None))
+    assert torch.equal(out[1, 3], row_linear(x[1, 3:4].contiguous(), weight, None)[0])
+
+
+def test_a_weight_changed_in_place_is_not_served_stale() -> None:
+    """Shapes whose input size the kernel pads keep a padded copy; it follows the weight."""
+    weight = torch.randn(8, 37)  # 37 is no multiple of the kernel's chunk
+    x = torch.randn(3, 37)
+    before = row_linear(x, weight, None)
+    weight.mul_(2)
+    assert torch.equal(row_linear(x, weight, None), before * 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_probe_lets_it_through_on_the_inputs_that_catch_others(dtype: torch.dtype) -> None:
+    """Cancelling inputs and every probed count, as for any candidate."""
+    assert first_violation(row_linear, torch.randn(48, 576).to(dtype), None) is None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_an_exact_engine_running_it_everywhere_keeps_the_contract(
+    family: str, dtype: torch.dtype
+) -> None:
+    engine = SublayerEngine(tiny_model(family).to(dtype))
+    for shape in list(engine._dispatch):
+        engine._dispatch[shape] = tuple([row_linear] * len(engine._dispatch[shape]))
+    for shape in list(engine._large):
+        engine._large[shape] = row_linear
+    for seed in range(6):
+        context = torch.randint(
+            0, 97, (20 + 9 * seed,), generator=torch.Generator().manual_seed(seed)
+        )
+        drafted = torch.randint(
+            0, 97, (1 + 3 * seed,), generator=torch.Generator().manual_seed(seed + 50)
+        )
+        assert verification_mismatches(engine, context, drafted) == []
+
+
+def test_the_probe_offers_it_to_exact_engines() -> None:
+    engine = SublayerEngine(tiny_model("llama"))
+    report = row_invariant_table(engine, engine.kernels, use_cache=False)
+    offered = {name for names in report.timed.values() for name in names}
+    chosen = set(report.kernels.values())
+    assert ROW_LINEAR_KERNEL in offered | chosen
+
+
+def test_without_a_compiler_it_falls_back_to_one_row_at_a_time(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A broken compiler: the library is unavailable, said once, and the kernel still
+    gives every row its one-row result (each row its own ``F.linear``)."""
+    monkeypatch.setenv("KNAPSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")
+    library = CompiledLibrary(
+        "row_linear.c", "the row-invariant linear kernel", "fallback", lambda lib: None
+    )
+    with caplog.at_level(logging.WARNING):
+        assert library.load() is None
+        assert library.load() is None
+    assert sum("unavailable" in r.getMessage() for r in caplog.records) == 1
+    monkeypatch.setattr(row_linear_module, "LIBRARY", library)
+    assert not available(torch.float32)
+    weight, x = torch.randn(24, 40), torch.randn(7, 40)
+    together = row_linear(x, weight, None)
+    for i in range(7):
+        assert torch.equal(together[i : i + 1], torch.nn.functional.linear(x[i : i + 1], weight))
