@@ -17,14 +17,31 @@ from knapspec.model import row_linear as row_linear_module
 from knapspec.model.compiled import CompiledLibrary
 from knapspec.model.engine import SublayerEngine
 from knapspec.model.invariance import first_violation, row_invariant_table
-from knapspec.model.kernels import KERNELS, ROW_LINEAR_KERNEL
-from knapspec.model.row_linear import available, build_description, row_linear
+from knapspec.model.kernels import AMX_KERNEL, KERNELS, ROW_LINEAR_KERNEL, Kernel
+from knapspec.model.row_linear import (
+    amx_available,
+    amx_linear,
+    amx_pack,
+    available,
+    build_description,
+    row_linear,
+)
 from knapspec.testing.exactness import verification_mismatches
 from knapspec.testing.models import tiny_model
 
 DTYPES = (torch.float32, torch.bfloat16)
 #: Worst relative error against a float64 product (bf16 output rounding dominates).
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+needs_amx = pytest.mark.skipif(
+    not amx_available(), reason="no AMX tiles here (lscpu: amx_bf16), or the OS refuses them"
+)
+#: (kernel, dtype) pairs to test: the AVX kernel in both dtypes, the AMX one in bf16.
+CASES = [
+    pytest.param(row_linear, torch.float32, id="row-linear-float32"),
+    pytest.param(row_linear, torch.bfloat16, id="row-linear-bfloat16"),
+    pytest.param(amx_linear, torch.bfloat16, id="amx-linear-bfloat16", marks=needs_amx),
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -36,7 +53,10 @@ def test_the_kernel_builds_here(dtype: torch.dtype) -> None:
 
 
 @given(
-    dtype=st.sampled_from(DTYPES),
+    kernel_and_dtype=st.sampled_from(
+        [(row_linear, torch.float32), (row_linear, torch.bfloat16)]
+        + ([(amx_linear, torch.bfloat16)] if amx_available() else [])
+    ),
     out_features=st.integers(1, 70),
     in_features=st.integers(1, 200),
     rows=st.integers(1, 40),
@@ -44,21 +64,22 @@ def test_the_kernel_builds_here(dtype: torch.dtype) -> None:
     seed=st.integers(0, 10_000),
 )
 def test_every_row_is_its_one_row_product_and_the_product_is_right(
-    dtype: torch.dtype,
+    kernel_and_dtype: tuple[Kernel, torch.dtype],
     out_features: int,
     in_features: int,
     rows: int,
     with_bias: bool,
     seed: int,
 ) -> None:
+    kernel, dtype = kernel_and_dtype
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
     bias = torch.randn(out_features, generator=generator).to(dtype) if with_bias else None
     x = torch.randn(rows, in_features, generator=generator).to(dtype)
-    together = row_linear(x, weight, bias)
+    together = kernel(x, weight, bias)
     assert together.shape == (rows, out_features) and together.dtype == dtype
     for i in range(rows):
-        assert torch.equal(together[i : i + 1], row_linear(x[i : i + 1], weight, bias)), i
+        assert torch.equal(together[i : i + 1], kernel(x[i : i + 1], weight, bias)), i
     reference = torch.nn.functional.linear(
         x.double(), weight.double(), None if bias is None else bias.double()
     )
@@ -69,42 +90,63 @@ def test_every_row_is_its_one_row_product_and_the_product_is_right(
     assert error <= TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_strided_and_batched_inputs(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("kernel", "dtype"), CASES)
+def test_strided_and_batched_inputs(kernel: Kernel, dtype: torch.dtype) -> None:
     weight = torch.randn(40, 96).to(dtype)
     wide = torch.randn(2, 5, 200).to(dtype)
     x = wide[..., 10:106]  # rows not contiguous with each other
-    out = row_linear(x, weight, None)
+    out = kernel(x, weight, None)
     assert out.shape == (2, 5, 40)
-    assert torch.equal(out, row_linear(x.contiguous(), weight, None))
-    assert torch.equal(out[1, 3], row_linear(x[1, 3:4].contiguous(), weight, None)[0])
+    assert torch.equal(out, kernel(x.contiguous(), weight, None))
+    assert torch.equal(out[1, 3], kernel(x[1, 3:4].contiguous(), weight, None)[0])
 
 
-def test_a_weight_changed_in_place_is_not_served_stale() -> None:
-    """Shapes whose input size the kernel pads keep a padded copy; it follows the weight."""
-    weight = torch.randn(8, 37)  # 37 is no multiple of the kernel's chunk
-    x = torch.randn(3, 37)
-    before = row_linear(x, weight, None)
+@pytest.mark.parametrize(("kernel", "dtype"), CASES)
+def test_a_weight_changed_in_place_is_not_served_stale(kernel: Kernel, dtype: torch.dtype) -> None:
+    """A padded (row-linear, odd sizes) or packed (amx-linear) copy follows its weight."""
+    weight = torch.randn(8, 37).to(dtype)  # 37 is no multiple of either kernel's chunk
+    x = torch.randn(3, 37).to(dtype)
+    before = kernel(x, weight, None)
     weight.mul_(2)
-    assert torch.equal(row_linear(x, weight, None), before * 2)
+    assert torch.equal(kernel(x, weight, None), before * 2)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_the_probe_lets_it_through_on_the_inputs_that_catch_others(dtype: torch.dtype) -> None:
+def test_the_amx_packing_is_the_documented_layout() -> None:
+    """Tile (n_tile, k_tile) holds k-pairs side by side for 16 outputs (VNNI order)."""
+    weight = torch.arange(20 * 70, dtype=torch.float32).view(20, 70).to(torch.bfloat16)
+    packed = amx_pack(weight)
+    assert packed.shape == (2, 3, 16, 16, 2)
+    n_tile, k_tile, pair, n, two = 1, 2, 2, 3, 1
+    assert packed[n_tile, k_tile, pair, n, two] == weight[16 + n, 64 + 2 * pair + two]
+    assert packed[1, 0, 0, 4, 0] == 0  # output 20 is padding
+    assert packed[0, 2, 3, 0, 0] == 0  # k 70 is padding
+
+
+def test_the_amx_kernel_falls_back_outside_its_dtype() -> None:
+    weight, x = torch.randn(24, 40), torch.randn(5, 40)
+    together = amx_linear(x, weight, None)  # float32: each row its own F.linear
+    for i in range(5):
+        assert torch.equal(together[i : i + 1], torch.nn.functional.linear(x[i : i + 1], weight))
+
+
+@pytest.mark.parametrize(("kernel", "dtype"), CASES)
+def test_the_probe_lets_it_through_on_the_inputs_that_catch_others(
+    kernel: Kernel, dtype: torch.dtype
+) -> None:
     """Cancelling inputs and every probed count, as for any candidate."""
-    assert first_violation(row_linear, torch.randn(48, 576).to(dtype), None) is None
+    assert first_violation(kernel, torch.randn(48, 576).to(dtype), None) is None
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("kernel", "dtype"), CASES)
 def test_an_exact_engine_running_it_everywhere_keeps_the_contract(
-    family: str, dtype: torch.dtype
+    family: str, kernel: Kernel, dtype: torch.dtype
 ) -> None:
     engine = SublayerEngine(tiny_model(family).to(dtype))
     for shape in list(engine._dispatch):
-        engine._dispatch[shape] = tuple([row_linear] * len(engine._dispatch[shape]))
+        engine._dispatch[shape] = tuple([kernel] * len(engine._dispatch[shape]))
     for shape in list(engine._large):
-        engine._large[shape] = row_linear
+        engine._large[shape] = kernel
     for seed in range(6):
         context = torch.randint(
             0, 97, (20 + 9 * seed,), generator=torch.Generator().manual_seed(seed)
@@ -121,6 +163,15 @@ def test_the_probe_offers_it_to_exact_engines() -> None:
     offered = {name for names in report.timed.values() for name in names}
     chosen = set(report.kernels.values())
     assert ROW_LINEAR_KERNEL in offered | chosen
+
+
+@needs_amx
+def test_the_probe_offers_the_tiles_to_exact_bf16_engines() -> None:
+    engine = SublayerEngine(tiny_model("llama").to(torch.bfloat16))
+    report = row_invariant_table(engine, engine.kernels, use_cache=False)
+    offered = {name for names in report.timed.values() for name in names}
+    assert AMX_KERNEL in offered | set(report.kernels.values())
+    assert KERNELS[AMX_KERNEL] is amx_linear
 
 
 def test_without_a_compiler_it_falls_back_to_one_row_at_a_time(

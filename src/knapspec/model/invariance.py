@@ -44,6 +44,7 @@ from knapspec.model import cachefiles
 from knapspec.model.autotune import KernelKey
 from knapspec.model.kernel_timing import LinearRole, linear_roles
 from knapspec.model.kernels import (
+    AMX_KERNEL,
     BLOCK_HEIGHTS,
     FUSION_GROUPS,
     KERNELS,
@@ -62,6 +63,7 @@ from knapspec.model.kernels import (
 from knapspec.model.onednn import onednn_available, packing_fits, release_packed
 from knapspec.model.provision import cache_root
 from knapspec.model.row_linear import LIBRARY as ROW_LINEAR_LIBRARY
+from knapspec.model.row_linear import amx_available, release_amx_packed
 from knapspec.model.row_linear import available as row_linear_available
 
 if TYPE_CHECKING:
@@ -81,7 +83,7 @@ PROBE_ROWS: tuple[int, ...] = (*range(2, SMALL_ROWS + 1), 17, 24, 31, 32, 33, 48
 ROTATED_ROWS: frozenset[int] = frozenset({3, 8, 16, 17, 32, 33, 64, 96})
 
 #: Bumped whenever the probe gets stronger: cached verdicts of a weaker probe are not reused.
-PROBE_REVISION = 5
+PROBE_REVISION = 6
 
 #: Magnitude of the cancelling pairs in :func:`cancelling_inputs` (see there).
 _CANCELLING_SCALE = 2.0**12
@@ -234,12 +236,12 @@ class InvarianceReport:
 
 
 def _candidates(
-    table: KernelTable, shape: Shape, onednn: bool, compiled: bool = False
+    table: KernelTable, shape: Shape, onednn: bool, compiled: bool = False, amx: bool = False
 ) -> list[str]:
     """The unblocked kernels to probe for ``shape``, in order of preference (each is also
     tried in blocks where it fails as it is: :func:`_choose`); with ``compiled``, the
     compiled ``row-linear`` kernel too (row-invariant by construction, yet probed like the
-    others: the probe has the last word)."""
+    others: the probe has the last word); with ``amx``, its AMX-tile version too."""
     names = table.choices.get(shape, ())
     ordered = [*names[:1], *(name for name, _ in Counter(names).most_common())]
     if shape in table.large:
@@ -251,6 +253,8 @@ def _candidates(
     ordered += [PLAIN_KERNEL, "transposed-padded", "transposed"]
     if compiled:
         ordered.append(ROW_LINEAR_KERNEL)
+    if amx:
+        ordered.append(AMX_KERNEL)
     unique: list[str] = []
     for name in ordered:
         base = name.partition("/")[0]
@@ -361,6 +365,7 @@ def row_invariant_table(
     )
     onednn = engine.device.type == "cpu" and onednn_available() and packing_fits(weight_bytes)
     compiled = engine.device.type == "cpu" and row_linear_available(engine.dtype)
+    amx = compiled and amx_available(engine.dtype)
     max_rows = table.max_rows or SMALL_ROWS
     fuse = {
         group: Counter(table.fuse.get(group, (False,))).most_common(1)[0][0]
@@ -382,13 +387,16 @@ def row_invariant_table(
         for role in roles:
             if role.shape in kernels:
                 continue
-            name, broken, scores = _choose(role, _candidates(table, role.shape, onednn, compiled))
+            name, broken, scores = _choose(
+                role, _candidates(table, role.shape, onednn, compiled, amx)
+            )
             kernels[role.shape] = name
             if broken:
                 failed[shape_name(role.shape)] = broken
             if scores:
                 timed[shape_name(role.shape)] = scores
         release_packed()  # probing packed every weight it tried; the engine re-packs its own
+        release_amx_packed()
         if path is not None:
             text = json.dumps(
                 {

@@ -9,8 +9,9 @@ CPU and its BLAS, not on the model:
 * ``transposed-padded``: the same with 1 row padded to 2 and 3 rows to 4;
 * ``onednn``: oneDNN's inner product against a copy of ``W`` reordered once into its
   blocked layout (:mod:`knapspec.model.onednn`; x86 builds of PyTorch);
-* ``row-linear``: a compiled kernel that is row-invariant by construction
-  (:mod:`knapspec.model.row_linear`), a candidate of exact engines only.
+* ``row-linear`` and ``amx-linear``: compiled kernels that are row-invariant by
+  construction (:mod:`knapspec.model.row_linear`; the second on the AMX tiles, bfloat16),
+  candidates of exact engines only.
 
 On a 2-core AMD EPYC (MKL, AVX2) ``F.linear`` re-reads ``W`` for every row of a few-row
 product (SmolLM2's ``49152 × 576`` LM head: 7.3 ms for 1 row, 22.2 ms for 3), while
@@ -39,8 +40,9 @@ import torch
 import torch.nn.functional as F
 
 from knapspec.model.onednn import onednn_packed
+from knapspec.model.row_linear import AMX_NAME as AMX_KERNEL
 from knapspec.model.row_linear import NAME as ROW_LINEAR_KERNEL
-from knapspec.model.row_linear import row_linear
+from knapspec.model.row_linear import amx_linear, row_linear
 
 #: Row counts the table covers (1 .. SMALL_ROWS): decode, draft and verify steps (``D + 1``
 #: rows at most) and the DP's small batches. Larger products always run ``F.linear``.
@@ -155,6 +157,7 @@ KERNELS: dict[str, Kernel] = {
     # Row-invariant by construction (compiled C, :mod:`knapspec.model.row_linear`): a
     # candidate of exact engines only, never tried in blocks.
     ROW_LINEAR_KERNEL: row_linear,
+    AMX_KERNEL: amx_linear,  # the same on the AMX tiles (bfloat16)
     **{
         blocked_name(name, height): blocked(kernel, height)
         for height in BLOCK_HEIGHTS
@@ -385,6 +388,7 @@ def _runs(names: tuple[str, ...]) -> str:
 
 
 __all__ = [
+    "AMX_KERNEL",
     "BLOCK_HEIGHTS",
     "FUSION_GROUPS",
     "KERNELS",

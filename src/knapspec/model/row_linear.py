@@ -35,6 +35,8 @@ from knapspec.model.compiled import CompiledLibrary
 logger = logging.getLogger(__name__)
 
 NAME = "row-linear"
+#: The AMX-tile kernel's name (bfloat16 on CPUs with ``amx_bf16``).
+AMX_NAME = "amx-linear"
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -52,6 +54,11 @@ def _declare(library: ctypes.CDLL) -> None:
     library.knapspec_row_linear_chunk.argtypes = [ctypes.c_int]
     library.knapspec_row_linear_build.restype = ctypes.c_int
     library.knapspec_row_linear_build.argtypes = []
+    amx = library.knapspec_amx_linear
+    amx.restype = ctypes.c_int
+    amx.argtypes = [*(ctypes.c_void_p,) * 4, *(ctypes.c_int64,) * 5, ctypes.c_int]
+    library.knapspec_amx_available.restype = ctypes.c_int
+    library.knapspec_amx_available.argtypes = []
 
 
 LIBRARY = CompiledLibrary(
@@ -160,4 +167,113 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return out
 
 
-__all__ = ["LIBRARY", "NAME", "available", "build_description", "row_linear"]
+# Weights packed into AMX tiles: id(weight) -> (weak reference, version, packed copy).
+_amx_packed: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
+
+
+def amx_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the AMX-tile kernel runs here: a bfloat16 model, a build for a CPU with AMX,
+    and the OS's permission to use the tiles."""
+    if dtype != torch.bfloat16:
+        return False
+    library = LIBRARY.load()
+    return library is not None and bool(library.knapspec_amx_available())
+
+
+def amx_pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight (N, K)`` bf16 as AMX B tiles: zero-padded to ``(16·⌈N/16⌉, 32·⌈K/32⌉)`` and
+    laid out ``[n_tile][k_tile][pair][n][2]`` (pairs of consecutive k side by side, VNNI
+    order; 1 KiB per 16x32 tile)."""
+    n, k = weight.shape
+    n16, k32 = -(-n // 16) * 16, -(-k // 32) * 32
+    padded = F.pad(weight.detach(), (0, k32 - k, 0, n16 - n))
+    return padded.view(n16 // 16, 16, k32 // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def _amx_weight(weight: torch.Tensor) -> torch.Tensor:
+    key = id(weight)
+    cached = _amx_packed.get(key)
+    if cached is not None and cached[0]() is weight and cached[1] == weight._version:
+        return cached[2]
+    packed = amx_pack(weight)
+    if cached is None or cached[0]() is not weight:
+        weakref.finalize(weight, _amx_packed.pop, key, None)
+    _amx_packed[key] = (weakref.ref(weight), weight._version, packed)
+    return packed
+
+
+def release_amx_packed() -> None:
+    """Drop every packed copy (the probe packs every weight it tries; the engine's chosen
+    kernel packs its own again on first use)."""
+    _amx_packed.clear()
+
+
+def amx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` in bfloat16 on the AMX tiles, each row bitwise the same at
+    any row count (16-row tiles, rows past the count zero-padded; k in increasing order).
+
+    Args:
+        x: ``(..., in)`` bfloat16 on CPU.
+        weight: ``(out, in)`` bfloat16 (packed into tiles on first use, kept while it lives).
+        bias: ``(out,)`` or None.
+
+    Returns:
+        ``(..., out)`` bfloat16. Where the tiles cannot run (another dtype, no AMX, the OS
+        refuses them) each row runs its own ``F.linear`` instead (row-invariant as well).
+    """
+    if (
+        x.dtype != torch.bfloat16
+        or weight.dtype != torch.bfloat16
+        or (bias is not None and bias.dtype != torch.bfloat16)
+        or not x.is_cpu
+        or not amx_available()
+    ):
+        from knapspec.model.kernels import rowwise  # imports this module
+
+        return rowwise(x, weight, bias)
+    library = LIBRARY.load()
+    assert library is not None
+    shape = x.shape
+    in_features = shape[-1]
+    out_features = weight.shape[0]
+    flat = x if x.dim() == 2 else x.reshape(-1, in_features)
+    k = -(-in_features // 32) * 32
+    if k != in_features:
+        flat = F.pad(flat, (0, k - in_features))
+    elif flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    packed = _amx_weight(weight)
+    out = torch.empty((*shape[:-1], out_features), dtype=x.dtype)
+    rows = flat.shape[0]
+    if rows:
+        status = library.knapspec_amx_linear(
+            flat.data_ptr(),
+            packed.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            rows,
+            k,
+            out_features,
+            flat.stride(0),
+            out_features,
+            torch.get_num_threads(),
+        )
+        if status:
+            raise RuntimeError(f"the AMX linear kernel failed (status {status})")
+    return out
+
+
+__all__ = [
+    "AMX_NAME",
+    "LIBRARY",
+    "NAME",
+    "amx_available",
+    "amx_linear",
+    "amx_pack",
+    "available",
+    "build_description",
+    "release_amx_packed",
+    "row_linear",
+]

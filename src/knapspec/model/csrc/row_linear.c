@@ -250,3 +250,146 @@ int knapspec_row_linear(const void *x, const void *w, const void *bias, void *ou
     }
     return 0;
 }
+
+/* ---------------------------------------------------------------------------------------
+ * AMX tiles (bfloat16): the same contract on Intel's matrix unit.
+ *
+ * TDPBF16PS adds to each element of a 16x16 float32 tile the dot product of one row of A
+ * (32 bf16) and one column of B, element by element: a row's result never depends on the
+ * other rows of the tile. Every product runs as 16-row tiles (rows past M zero-padded), the
+ * k tiles in increasing order into one accumulator tile per 16 outputs, so a row's result
+ * is the same whatever M is, and a few-row product costs what one row costs (the weight is
+ * streamed once per 16 rows). The weight is packed once by the caller into tiles of 32 k
+ * by 16 outputs in VNNI order: packed[n_tile][k_tile][pair][n][2] (1 KiB per tile).
+ */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define AMX_GROUP 4 /* accumulator tiles per pass: 64 outputs */
+
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Whether the OS lets this process use the tile registers (asked once). */
+static int amx_permitted(void) {
+    static int state = 0;
+    if (state == 0)
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+static void amx_configure(void) {
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = 16;
+        config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* Tiles 0..count-1 accumulate outputs n_tile .. n_tile+count-1 of one 16-row block. */
+#define AMX_STEP(T)                                                                   \
+    if (count > T) {                                                                  \
+        _tile_loadd(5, packed + ((n_tile + T) * k_tiles + kt) * 512, 64);             \
+        _tile_dpbf16ps(T, 4, 5);                                                      \
+    }
+#define AMX_STORE(T) \
+    if (count > T) _tile_stored(T, result + T * 16, AMX_GROUP * 16 * sizeof(float));
+
+static void amx_block(const uint16_t *a_rows, int64_t k_tiles, const uint16_t *packed,
+                      int64_t n_tile, int count, float *result) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kt = 0; kt < k_tiles; kt++) {
+        _tile_loadd(4, a_rows + kt * 32, k_tiles * 32 * sizeof(uint16_t));
+        AMX_STEP(0)
+        AMX_STEP(1)
+        AMX_STEP(2)
+        AMX_STEP(3)
+    }
+    AMX_STORE(0)
+    AMX_STORE(1)
+    AMX_STORE(2)
+    AMX_STORE(3)
+}
+
+int knapspec_amx_available(void) { return amx_permitted(); }
+
+/* out (M x N, row stride out_stride) = x (M x k, row stride x_stride) @ W.T (+ bias), all
+ * bfloat16, W given packed (see above) with n_tiles = ceil(N / 16) and k a multiple of 32.
+ * Returns 0; 2 where the OS refuses the tiles; 4 when memory runs out. */
+int knapspec_amx_linear(const uint16_t *x, const uint16_t *packed, const uint16_t *bias,
+                        uint16_t *out, int64_t rows, int64_t k, int64_t n_out,
+                        int64_t x_stride, int64_t out_stride, int threads) {
+    if (!amx_permitted()) return 2;
+    if (k % 32 != 0) return 1;
+    int64_t k_tiles = k / 32;
+    int64_t n_tiles = (n_out + 15) / 16;
+    int64_t row_blocks = (rows + 15) / 16;
+    /* The rows, zero-padded to whole 16-row blocks, contiguous (the A tiles' source). */
+    uint16_t *a = (uint16_t *)calloc((size_t)(row_blocks * 16 * k), sizeof(uint16_t));
+    if (a == NULL) return 4;
+    for (int64_t m = 0; m < rows; m++) memcpy(a + m * k, x + m * x_stride, k * sizeof(uint16_t));
+    int64_t groups = (n_tiles + AMX_GROUP - 1) / AMX_GROUP;
+    int64_t tasks = groups * row_blocks;
+    if (threads > tasks) threads = (int)tasks;
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads)
+    {
+        amx_configure();
+        float result[16 * AMX_GROUP * 16] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < tasks; task++) {
+            int64_t group = task / row_blocks, block = task % row_blocks;
+            int64_t n_tile = group * AMX_GROUP;
+            int count = (int)(n_tiles - n_tile < AMX_GROUP ? n_tiles - n_tile : AMX_GROUP);
+            amx_block(a + block * 16 * k, k_tiles, packed, n_tile, count, result);
+            int64_t first_row = block * 16;
+            int64_t last_row = first_row + 16 < rows ? first_row + 16 : rows;
+            int64_t first = n_tile * 16;
+            int64_t last = first + count * 16 < n_out ? first + count * 16 : n_out;
+            for (int64_t m = first_row; m < last_row; m++) {
+                float *sums = result + (m - first_row) * AMX_GROUP * 16;
+                uint16_t *target = out + m * out_stride + first;
+                int64_t width = last - first;
+                if (bias)
+                    for (int64_t j = 0; j < width; j++) sums[j] += bf16_to_f32(bias[first + j]);
+                /* Round to nearest even, NaN kept quiet: plain integer code the compiler
+                 * vectorises (the same arithmetic for every element). */
+                for (int64_t j = 0; j < width; j++) {
+                    uint32_t bits;
+                    memcpy(&bits, &sums[j], sizeof bits);
+                    uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+                    uint32_t quiet = (bits >> 16) | 0x40u;
+                    target[j] = (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(a);
+    return 0;
+}
+#else
+int knapspec_amx_available(void) { return 0; }
+int knapspec_amx_linear(const uint16_t *x, const uint16_t *packed, const uint16_t *bias,
+                        uint16_t *out, int64_t rows, int64_t k, int64_t n_out,
+                        int64_t x_stride, int64_t out_stride, int threads) {
+    (void)x; (void)packed; (void)bias; (void)out; (void)rows; (void)k; (void)n_out;
+    (void)x_stride; (void)out_stride; (void)threads;
+    return 2;
+}
+#endif
