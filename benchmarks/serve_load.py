@@ -124,6 +124,10 @@ def main() -> None:
         print(json.dumps(record, indent=1))
         sys.exit(0 if record["passed"] else 1)
 
+    if args.dtype == "auto" and args.vllm_python is not None:
+        # vLLM gets the dtype knapspec's `--dtype auto` picks here (measured, cached).
+        args.dtype = _auto_dtype(args.model)
+        print(f"--dtype auto resolves to {args.dtype} on this machine", file=sys.stderr)
     systems = list(args.systems)
     if args.vllm_python is not None:
         systems += [s for s in VLLM_SYSTEMS if s not in systems]
@@ -196,6 +200,15 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _auto_dtype(model: str) -> str:
+    """What ``knapspec serve --dtype auto`` runs on this machine."""
+    from knapspec.model.dtypes import choose_dtype
+    from knapspec.model.provision import load_model_and_tokenizer
+
+    loaded = load_model_and_tokenizer(None if model == "default" else model, progress=False)[0]
+    return choose_dtype("auto", loaded).name
+
+
 @contextlib.contextmanager
 def _knapspec_server(args: argparse.Namespace, extra: list[str]) -> Iterator[Server]:
     port = _free_port()
@@ -231,6 +244,9 @@ def _vllm_server(args: argparse.Namespace, extra: list[str]) -> Iterator[Server]
         "OMP_NUM_THREADS": str(args.threads),
         "VLLM_CPU_OMP_THREADS_BIND": "all",
         "HF_HUB_OFFLINE": "1",
+        # vLLM's n-gram proposer sets numba's thread count around each call; on numba's
+        # OpenMP layer that left the model's products on one thread (seen in #48's run).
+        "NUMBA_THREADING_LAYER": "workqueue",
     }
     server = Server(command, env, port, "vllm" + ("-ngram" if extra else ""))
     server.dtype = dtype

@@ -96,6 +96,9 @@ class ServerSpec:
                 "HF_HUB_OFFLINE": "1",
                 "VLLM_NO_USAGE_STATS": "1",
                 "DO_NOT_TRACK": "1",
+                # vLLM's n-gram proposer sets numba's thread count around each call; on
+                # numba's OpenMP layer that left the worker's products on one thread.
+                "NUMBA_THREADING_LAYER": "workqueue",
             }
         )
         env.update(self.env)

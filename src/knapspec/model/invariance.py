@@ -339,9 +339,11 @@ def _cache_path(engine: TunableEngine, table: KernelTable) -> Path:
     return cache_root() / "invariance" / name
 
 
-def _parse_cached(
-    text: str,
-) -> tuple[dict[str, str], dict[str, tuple[str, ...]], dict[str, dict[str, float]]]:
+#: Probe verdicts: per shape name the kernel, the candidates that failed, the timings.
+_Verdicts = tuple[dict[str, str], dict[str, tuple[str, ...]], dict[str, dict[str, float]]]
+
+
+def _parse_cached(text: str) -> _Verdicts:
     data = json.loads(text)
     kernels = {str(k): str(v) for k, v in data["kernels"].items()}
     failed = {str(k): tuple(str(n) for n in v) for k, v in data["failed"].items()}
@@ -352,6 +354,39 @@ def _parse_cached(
     if unknown:
         raise ValueError(f"unknown kernels {sorted(unknown)}")
     return kernels, failed, timed
+
+
+def _probe(
+    roles: Sequence[LinearRole],
+    table: KernelTable,
+    onednn: bool,
+    compiled: bool,
+    amx: bool,
+) -> _Verdicts:
+    """Probe and time the candidates for every role's shape (:func:`_choose`)."""
+    kernels: dict[str, str] = {}
+    failed: dict[str, tuple[str, ...]] = {}
+    timed: dict[str, dict[str, float]] = {}
+    for role in roles:
+        shape = shape_name(role.shape)
+        if shape in kernels:
+            continue
+        candidates = _candidates(table, role.shape, onednn, compiled, amx)
+        kernels[shape], broken, scores = _choose(role, candidates)
+        if broken:
+            failed[shape] = broken
+        if scores:
+            timed[shape] = scores
+    release_packed()  # probing packed every weight it tried; the engine re-packs its own
+    release_amx_packed()
+    return kernels, failed, timed
+
+
+def _render(verdicts: _Verdicts) -> str:
+    kernels, failed, timed = verdicts
+    return json.dumps(
+        {"kernels": kernels, "failed": {k: list(v) for k, v in failed.items()}, "timed": timed}
+    )
 
 
 def row_invariant_table(
@@ -373,39 +408,27 @@ def row_invariant_table(
     }
     roles = [*separate, *(role for role in fused_roles if fuse.get(role.name, False))]
     path = _cache_path(engine, table) if use_cache else None
-    cached = (
-        cachefiles.read(path, _parse_cached, "row-invariance probe") if path is not None else None
-    )
-    kernels: dict[Shape, str] = {}
-    failed: dict[str, tuple[str, ...]] = {}
-    timed: dict[str, dict[str, float]] = {}
-    if cached is not None and {shape_name(role.shape) for role in roles} == set(cached[0]):
-        kernels = {parse_shape(shape): name for shape, name in cached[0].items()}
-        failed = dict(cached[1])
-        timed = dict(cached[2])
-    else:
-        for role in roles:
-            if role.shape in kernels:
-                continue
-            name, broken, scores = _choose(
-                role, _candidates(table, role.shape, onednn, compiled, amx)
-            )
-            kernels[role.shape] = name
-            if broken:
-                failed[shape_name(role.shape)] = broken
-            if scores:
-                timed[shape_name(role.shape)] = scores
-        release_packed()  # probing packed every weight it tried; the engine re-packs its own
-        release_amx_packed()
-        if path is not None:
-            text = json.dumps(
-                {
-                    "kernels": {shape_name(s): n for s, n in kernels.items()},
-                    "failed": {k: list(v) for k, v in failed.items()},
-                    "timed": timed,
-                }
-            )
-            cachefiles.store(path, text, "row-invariance probe")
+    wanted = {shape_name(role.shape) for role in roles}
+
+    def usable(cached: _Verdicts | None) -> bool:
+        return cached is not None and wanted == set(cached[0])
+
+    cached = cachefiles.read(path, _parse_cached, "row-invariance probe") if path else None
+    if path is not None and not usable(cached):
+        # Two processes starting on an empty cache: one probes, the other reads its
+        # verdicts (probing both at once, each timing under the other's load, could choose
+        # different kernels, and so different numerics, in each).
+        with cachefiles.exclusive(path):
+            cached = cachefiles.read(path, _parse_cached, "row-invariance probe", quiet=True)
+            if not usable(cached):
+                cached = _probe(roles, table, onednn, compiled, amx)
+                cachefiles.store(path, _render(cached), "row-invariance probe")
+    elif path is None:
+        cached = _probe(roles, table, onednn, compiled, amx)
+    assert cached is not None
+    kernels = {parse_shape(shape): name for shape, name in cached[0].items()}
+    failed = dict(cached[1])
+    timed = dict(cached[2])
     if all(name == PLAIN_KERNEL for name in kernels.values()) and not any(fuse.values()):
         exact = KernelTable.plain(source=f"{table.source}+row-invariant")
     else:

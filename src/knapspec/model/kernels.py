@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from knapspec.model.onednn import onednn_packed
 from knapspec.model.row_linear import AMX_NAME as AMX_KERNEL
 from knapspec.model.row_linear import NAME as ROW_LINEAR_KERNEL
-from knapspec.model.row_linear import amx_linear, row_linear
+from knapspec.model.row_linear import amx_linear, one_row_at_a_time, row_linear
 
 #: Row counts the table covers (1 .. SMALL_ROWS): decode, draft and verify steps (``D + 1``
 #: rows at most) and the DP's small batches. Larger products always run ``F.linear``.
@@ -101,12 +101,7 @@ def rowwise(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     """Each row its own one-row ``F.linear``: row-invariant by construction (a row's result
     is the one-row product's), at one pass over ``W`` per row. The exact fallback where no
     faster kernel keeps the contract (:mod:`knapspec.model.invariance`); never timed."""
-    in_features = x.shape[-1]
-    flat = x.reshape(-1, in_features)
-    if flat.shape[0] <= 1:
-        return F.linear(x, weight, bias)
-    rows = [F.linear(flat[i : i + 1], weight, bias) for i in range(flat.shape[0])]
-    return torch.cat(rows).view(*x.shape[:-1], weight.shape[0])
+    return one_row_at_a_time(x, weight, bias)
 
 
 def blocked(kernel: Kernel, height: int) -> Kernel:

@@ -75,6 +75,20 @@ LIBRARY = CompiledLibrary(
 _padded: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
 
 
+def one_row_at_a_time(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Each row its own one-row ``F.linear``: row-invariant by construction, at one pass
+    over ``W`` per row (the fallback where the compiled kernels cannot run).
+    ``x (..., in)``, ``weight (out, in)`` -> ``(..., out)``."""
+    in_features = x.shape[-1]
+    flat = x.reshape(-1, in_features)
+    if flat.shape[0] <= 1:
+        return F.linear(x, weight, bias)
+    rows = [F.linear(flat[i : i + 1], weight, bias) for i in range(flat.shape[0])]
+    return torch.cat(rows).view(*x.shape[:-1], weight.shape[0])
+
+
 def available(dtype: torch.dtype) -> bool:
     """Whether the compiled kernel serves ``dtype`` on CPU here."""
     return dtype in _DTYPES and LIBRARY.load() is not None
@@ -129,9 +143,7 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     dtype = _DTYPES.get(x.dtype, -1)
     library = LIBRARY.load() if dtype >= 0 and x.is_cpu else None
     if library is None or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        from knapspec.model.kernels import rowwise  # imports this module
-
-        return rowwise(x, weight, bias)
+        return one_row_at_a_time(x, weight, bias)
     shape = x.shape
     in_features = shape[-1]
     out_features = weight.shape[0]
@@ -228,9 +240,7 @@ def amx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
         or not x.is_cpu
         or not amx_available()
     ):
-        from knapspec.model.kernels import rowwise  # imports this module
-
-        return rowwise(x, weight, bias)
+        return one_row_at_a_time(x, weight, bias)
     library = LIBRARY.load()
     assert library is not None
     shape = x.shape
@@ -274,6 +284,7 @@ __all__ = [
     "amx_pack",
     "available",
     "build_description",
+    "one_row_at_a_time",
     "release_amx_packed",
     "row_linear",
 ]
