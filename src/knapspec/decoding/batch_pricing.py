@@ -134,6 +134,9 @@ class RoundPrices:
         self.context = context
         self._products: dict[int, float] = {}
         self._attention: dict[int, float] = {}
+        # The calibration does not change within a round, and the search asks for the
+        # same token counts thousands of times (a 16-row round: 30 ms of Python before).
+        self._factors: dict[int, float] = {}
         self._step: float | None = None
 
     def attention(self, width: int) -> float:
@@ -162,7 +165,10 @@ class RoundPrices:
             attention = attended
         else:
             attention = self.rows * self.attention(width)
-        cost = (products + attention) * self.calibration.factor(tokens)
+        factor = self._factors.get(tokens)
+        if factor is None:
+            factor = self._factors[tokens] = self.calibration.factor(tokens)
+        cost = (products + attention) * factor
         if steps and self.mask is not None:
             if self._step is None:
                 step = batched_draft_cost(self.cost_model, self.mask, self.rows, self.context)
