@@ -194,3 +194,30 @@ def test_without_a_compiler_it_falls_back_to_one_row_at_a_time(
     together = row_linear(x, weight, None)
     for i in range(7):
         assert torch.equal(together[i : i + 1], torch.nn.functional.linear(x[i : i + 1], weight))
+
+
+@given(
+    dtype=st.sampled_from(DTYPES),
+    sequences=st.integers(1, 5),
+    q_len=st.integers(1, 6),
+    seed=st.integers(0, 1000),
+)
+def test_attention_over_a_batch_in_one_call_is_each_sequence_alone(
+    dtype: torch.dtype, sequences: int, q_len: int, seed: int
+) -> None:
+    """``attend_rows_batched`` (one kernel call for every sequence of a batch, each with its
+    own keys) gives each sequence bitwise what ``attend_rows`` gives it alone."""
+    from knapspec.model.row_attention import attend_rows, attend_rows_batched
+
+    generator = torch.Generator().manual_seed(seed)
+    heads, kv_heads, head_dim, capacity = 6, 2, 16, 40
+    query = torch.randn(sequences, heads, q_len, head_dim, generator=generator).to(dtype)
+    buffers = torch.randn(2, sequences + 1, kv_heads, capacity, head_dim, generator=generator)
+    keys, values = (b.to(dtype)[:sequences, :, :30] for b in buffers)
+    starts = torch.randint(0, 30 - q_len + 1, (sequences,), generator=generator)
+    lengths = starts[:, None] + torch.arange(1, q_len + 1)
+    together = attend_rows_batched(query, keys, values, lengths, 0.25)
+    assert together is not None
+    for b in range(sequences):
+        alone = attend_rows(query[b], keys[b], values[b], lengths[b], 0.25)
+        assert torch.equal(together[b], alone)

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from knapspec.model.batch_cache import BatchKVCache
-from knapspec.model.row_attention import EXACT_MAX_QUERIES
+from knapspec.model.row_attention import EXACT_MAX_QUERIES, attend_rows_batched
 
 if TYPE_CHECKING:
     from knapspec.model.engine import SublayerEngine
@@ -177,6 +177,9 @@ def _exact_attention(
     row computes bitwise what it computes decoded alone (the exactness contract):
     ``query (1, H, T, hd)`` packed or ``(rows, H, q, hd)`` padded -> ``(1, T, H * hd)`` or
     ``(rows, q, H * hd)``."""
+    together = _exact_attention_together(engine, query, cache, layer_index, starts, widths, packed)
+    if together is not None:
+        return together
     pieces = []
     offset = 0
     for row, (start, width) in enumerate(zip(starts, widths, strict=True)):
@@ -199,6 +202,58 @@ def _exact_attention(
             for piece in pieces
         ]
     return torch.cat(pieces, dim=0)
+
+
+def _exact_attention_together(
+    engine: SublayerEngine,
+    query: torch.Tensor,
+    cache: BatchKVCache,
+    layer_index: int,
+    starts: Sequence[int],
+    widths: Sequence[int],
+    packed: bool,
+) -> torch.Tensor | None:
+    """:func:`_exact_attention` in one kernel call for all rows (bitwise the same: a query
+    row's output depends on its own query, keys and length only), or None where the
+    compiled kernel does not serve. Padded query rows see one key and are dropped."""
+    rows = len(widths)
+    q_len = max(widths)
+    heads, head_dim = engine.num_heads, engine.head_dim
+    if packed:
+        padded = query.new_zeros(rows, heads, q_len, head_dim)
+        offset = 0
+        for row, width in enumerate(widths):
+            padded[row, :, :width] = query[0, :, offset : offset + width]
+            offset += width
+    else:
+        padded = query[:, :, :q_len]
+    lengths = torch.ones(rows, q_len, dtype=torch.int64)
+    for row, (start, width) in enumerate(zip(starts, widths, strict=True)):
+        lengths[row, :width] = torch.arange(start + 1, start + width + 1)
+    end = max(start + width for start, width in zip(starts, widths, strict=True))
+    out = attend_rows_batched(
+        padded,
+        cache.keys(layer_index, end),
+        cache.values(layer_index, end),
+        lengths,
+        engine.attention_scale,
+    )
+    if out is None:
+        return None
+    out = out.transpose(1, 2)  # (rows, q, H, hd)
+    if packed:
+        pieces = [out[row, :width] for row, width in enumerate(widths)]
+        return torch.cat(pieces).reshape(1, -1, heads * head_dim)
+    result = out.reshape(rows, q_len, heads * head_dim)
+    if any(width != q_len for width in widths):  # padding: never read; zero as before
+        result = result.clone()
+        for row, width in enumerate(widths):
+            result[row, width:] = 0
+    if query.shape[2] != q_len:
+        result = torch.cat(
+            [result, result.new_zeros(rows, query.shape[2] - q_len, result.shape[2])], 1
+        )
+    return result
 
 
 def _padded_attention(
