@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -107,16 +108,30 @@ def build_description() -> str:
     )
 
 
-def _padded_weight(weight: torch.Tensor, k_padded: int) -> torch.Tensor:
+def _derived(
+    cache: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]],
+    weight: torch.Tensor,
+    make: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``make(weight)``, kept in ``cache`` while the weight lives (a finalizer drops it) and
+    made again if the weight changes in place (its version counter moves)."""
     key = id(weight)
-    cached = _padded.get(key)
+    cached = cache.get(key)
     if cached is not None and cached[0]() is weight and cached[1] == weight._version:
         return cached[2]
-    padded = F.pad(weight.detach(), (0, k_padded - weight.shape[1])).contiguous()
+    derived = make(weight)
     if cached is None or cached[0]() is not weight:
-        weakref.finalize(weight, _padded.pop, key, None)
-    _padded[key] = (weakref.ref(weight), weight._version, padded)
-    return padded
+        weakref.finalize(weight, cache.pop, key, None)
+    cache[key] = (weakref.ref(weight), weight._version, derived)
+    return derived
+
+
+def _padded_weight(weight: torch.Tensor, k_padded: int) -> torch.Tensor:
+    return _derived(
+        _padded,
+        weight,
+        lambda w: F.pad(w.detach(), (0, k_padded - w.shape[1])).contiguous(),
+    )
 
 
 def _chunk(library: ctypes.CDLL, dtype: int) -> int:
@@ -203,15 +218,7 @@ def amx_pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _amx_weight(weight: torch.Tensor) -> torch.Tensor:
-    key = id(weight)
-    cached = _amx_packed.get(key)
-    if cached is not None and cached[0]() is weight and cached[1] == weight._version:
-        return cached[2]
-    packed = amx_pack(weight)
-    if cached is None or cached[0]() is not weight:
-        weakref.finalize(weight, _amx_packed.pop, key, None)
-    _amx_packed[key] = (weakref.ref(weight), weight._version, packed)
-    return packed
+    return _derived(_amx_packed, weight, amx_pack)
 
 
 def release_amx_packed() -> None:
