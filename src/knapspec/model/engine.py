@@ -45,6 +45,7 @@ from knapspec.model.row_attention import (
     EXACT_MAX_QUERIES,
     attend_rows,
     attend_tree_rows,
+    attention_path,
     kernel_available,
 )
 from knapspec.model.tree import TreeLayout, tree_layout
@@ -308,6 +309,15 @@ class SublayerEngine:
             # 4,096 tokens took 3.6 s through the row-invariant products, 2.5 s through
             # the framework's.
             self._prefill_large = prefill_large
+
+    @property
+    def exact_attention_path(self) -> str | None:
+        """What this exact engine's attention runs on here: ``amx-tiles``, ``vector`` or
+        ``one-query-calls`` (:func:`~knapspec.model.row_attention.attention_path`); None
+        for an inexact engine or one off the CPU."""
+        if not self.exact or self.device.type != "cpu":
+            return None
+        return attention_path(self.dtype, self.head_dim)
 
     def enable_chunk_invariance(self) -> bool:
         """Make every later prefill chunk-invariant (:attr:`chunk_invariant`), unless the

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +62,10 @@ def _declare(library: ctypes.CDLL) -> None:
         *(ctypes.c_int64,) * 7,
         ctypes.c_float,
         ctypes.c_int,
+        ctypes.c_int,
     ]
+    library.knapspec_attention_amx_available.restype = ctypes.c_int
+    library.knapspec_attention_amx_available.argtypes = []
 
 
 LIBRARY = CompiledLibrary(
@@ -76,6 +80,52 @@ def load_library() -> ctypes.CDLL | None:
     """The compiled kernel, building it on first use; None where it cannot be built or
     loaded (the reason is logged once)."""
     return LIBRARY.load()
+
+
+#: The largest head size the tile path serves (4 tiles of 32 dimensions for the scores).
+AMX_MAX_HEAD_DIM = 128
+
+#: Set ``KNAPSPEC_AMX_ATTENTION=0`` to keep bf16 attention on the vector path (for A/B runs;
+#: either path keeps the contract, but the two differ in rounding, so one process uses one).
+_AMX_SWITCH = "KNAPSPEC_AMX_ATTENTION"
+
+_amx_decision: bool | None = None
+
+
+def amx_attention_enabled() -> bool:
+    """Whether bf16 attention runs on the AMX tiles in this process: the kernel was built
+    with them, the OS grants them, and ``KNAPSPEC_AMX_ATTENTION`` is not ``0``. Decided
+    once per process, so every bf16 call (a step, a verification, a tree, a prefill chunk)
+    runs the same arithmetic."""
+    global _amx_decision
+    if _amx_decision is None:
+        library = load_library()
+        _amx_decision = (
+            library is not None
+            and os.environ.get(_AMX_SWITCH, "1") != "0"
+            and library.knapspec_attention_amx_available() == 1
+        )
+        if _amx_decision:
+            logger.debug("bf16 row-invariant attention runs on the AMX tiles")
+    return _amx_decision
+
+
+def _use_amx(dtype: torch.dtype, head_dim: int) -> int:
+    """The kernel's ``use_amx`` argument for one call."""
+    return int(
+        dtype == torch.bfloat16
+        and head_dim % 2 == 0
+        and head_dim <= AMX_MAX_HEAD_DIM
+        and amx_attention_enabled()
+    )
+
+
+def attention_path(dtype: torch.dtype, head_dim: int) -> str:
+    """What exact attention runs on for ``dtype`` and ``head_dim`` here: ``amx-tiles``,
+    ``vector`` (the compiled kernel's vector path) or ``one-query-calls`` (no compiler)."""
+    if not kernel_available(dtype):
+        return "one-query-calls"
+    return "amx-tiles" if _use_amx(dtype, head_dim) else "vector"
 
 
 def kernel_available(dtype: torch.dtype) -> bool:
@@ -153,6 +203,7 @@ def attend_rows_batched(
     rows_per_kv_head = heads // kv_heads * q_len
     threads = torch.get_num_threads()
     total_kv = batch * kv_heads
+    amx = _use_amx(query.dtype, head_dim)
     status = library.knapspec_attend_tree(
         folded.data_ptr(),
         merged_keys.data_ptr(),
@@ -169,9 +220,10 @@ def attend_rows_batched(
         merged_keys.stride(0),
         merged_keys.stride(1),
         n_keys,
-        _chunk_rows(total_kv, rows_per_kv_head, threads),
+        _chunk_rows(total_kv, rows_per_kv_head, threads, bool(amx)),
         float(scale),
         threads,
+        amx,
     )
     if status:
         raise RuntimeError(f"row-invariant attention kernel failed (status {status})")
@@ -267,6 +319,7 @@ def _run_kernel(
     prefix, visible = (t.to(torch.int64).contiguous() for t in tree) if tree else (None, None)
     rows_per_kv_head = heads // kv_heads * q_len
     threads = torch.get_num_threads()
+    amx = _use_amx(query.dtype, head_dim)
     status = library.knapspec_attend_tree(
         query.data_ptr(),
         keys.data_ptr(),
@@ -281,9 +334,10 @@ def _run_kernel(
         keys.stride(0),
         keys.stride(1),
         n_keys,
-        _chunk_rows(kv_heads, rows_per_kv_head, threads),
+        _chunk_rows(kv_heads, rows_per_kv_head, threads, bool(amx)),
         float(scale),
         threads,
+        amx,
     )
     if status == 3:
         return None
@@ -292,12 +346,15 @@ def _run_kernel(
     return out
 
 
-def _chunk_rows(kv_heads: int, rows_per_kv_head: int, threads: int) -> int:
+def _chunk_rows(kv_heads: int, rows_per_kv_head: int, threads: int, tiles: bool = False) -> int:
     """Rows per task: all of a K/V head's rows together (each key loaded once for them)
-    unless that leaves a thread idle; the split changes no row's arithmetic."""
+    unless that leaves a thread idle; the split changes no row's arithmetic. On the tiles
+    (``tiles``) a split is in whole 16-row tiles: a part tile costs what a full one does,
+    and each task repacks its head's keys."""
     if kv_heads % threads == 0 or kv_heads >= 4 * threads:
         return rows_per_kv_head
-    return max(1, -(-rows_per_kv_head * kv_heads // (threads * kv_heads)))
+    chunk = max(1, -(-rows_per_kv_head * kv_heads // (threads * kv_heads)))
+    return -(-chunk // 16) * 16 if tiles else chunk
 
 
 def _attend_one_by_one(

@@ -298,6 +298,351 @@ static void attend_task(const void *query, const void *keys, const void *values,
     }
 }
 
+/* ---------------------------------------------------------------------------------------
+ * AMX tiles (bfloat16): the same contract on Intel's matrix unit, used for every bf16 call
+ * on a CPU whose OS grants the tiles (the caller decides once per process, so a decode
+ * step, a verification, a tree and a chunk of a prefill all run this arithmetic).
+ *
+ * Per row, in this order (whatever other rows share its 16-row tile):
+ *   score_j = (q . k_j by TDPBF16PS, dimensions in 32-wide tiles in order) * scale;
+ *   best = max over its keys; p_j = bf16(exp(score_j - best)), 0 past its length;
+ *   norm = the p_j summed in 16 lanes (key j in lane j % 16) then a fixed tree;
+ *   acc = sum of p_j v_j by TDPBF16PS over 32-key blocks in key order; out = acc / norm.
+ * TDPBF16PS computes each element of its tile from one row of A and one column of B, so a
+ * row's result never depends on the other rows; keys a row cannot see add exact zeros (its
+ * weights there are 0). Scores are per key, so a tree row's scores pack exactly as in the
+ * vector path; its values are read in the packed layout (its own copy of the last blocks).
+ * Keys and values are repacked per call into the tiles' layout (K^T in VNNI pairs of
+ * dimensions, V in VNNI pairs of keys); a 16-row tile costs what one row costs, so a
+ * 64-query prefill chunk runs at matrix-unit speed and a one-token step stays cheap.
+ * ------------------------------------------------------------------------------------- */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define KNAPSPEC_AMX_ATTENTION 1
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define AMX_MAX_DIM 128 /* up to 4 dimension tiles for the scores, 8 value tiles */
+
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static int amx_permitted(void) {
+    static int state = 0;
+    if (state == 0)
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+static void amx_configure(void) {
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = 16;
+        config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* Sixteen rows of 16 dwords, transposed in registers (out[c] = dword c of every row). */
+static inline void transpose16(const __m512i in[16], __m512i out[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(in[2 * i], in[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(in[2 * i], in[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* u[4i + j]: in each 128-bit lane L, dword 4L + j */
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        __m512i a = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88);
+        __m512i b = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
+        __m512i c = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+        __m512i d = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
+        out[j] = _mm512_shuffle_i32x4(a, c, 0x88);
+        out[8 + j] = _mm512_shuffle_i32x4(a, c, 0xDD);
+        out[4 + j] = _mm512_shuffle_i32x4(b, d, 0x88);
+        out[12 + j] = _mm512_shuffle_i32x4(b, d, 0xDD);
+    }
+}
+
+/* K^T for keys [0, count) in tiles of 16 keys by 32 dimensions, VNNI pairs of dimensions:
+ * packed[block][dim_tile][pair][key][2] (1 KiB a tile); missing keys and dimensions 0. */
+static void amx_pack_keys(const uint16_t *keys, int64_t key_stride, int64_t count,
+                          int64_t head_dim, int64_t dim_tiles, uint16_t *packed) {
+    int64_t blocks = (count + 15) / 16;
+    __m512i rows[16], columns[16];
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t here = count - b * 16 < 16 ? count - b * 16 : 16;
+        const uint16_t *base = keys + b * 16 * key_stride;
+        for (int64_t t = 0; t < dim_tiles; t++) {
+            int64_t pairs = (head_dim - t * 32) / 2 < 16 ? (head_dim - t * 32) / 2 : 16;
+            __mmask16 dims = (__mmask16)((1u << pairs) - 1u);
+            for (int64_t n = 0; n < 16; n++)
+                rows[n] = n < here ? _mm512_maskz_loadu_epi32(dims, base + n * key_stride + t * 32)
+                                   : _mm512_setzero_si512();
+            transpose16(rows, columns);
+            uint16_t *tile = packed + (b * dim_tiles + t) * 512;
+            for (int64_t p = 0; p < 16; p++) _mm512_storeu_si512(tile + p * 32, columns[p]);
+        }
+    }
+}
+
+/* V for keys [0, count) in tiles of 32 keys by 16 dimensions, VNNI pairs of keys:
+ * packed[block][dim_tile][pair][dim][2]; missing keys and dimensions 0. rows[j] gives
+ * key j's row (NULL: key j sits at values + j * key_stride). */
+static void amx_pack_values(const uint16_t *values, int64_t key_stride, const int64_t *rows,
+                            int64_t first, int64_t count, int64_t head_dim,
+                            int64_t value_tiles, uint16_t *packed) {
+    int64_t blocks = (count - first + 31) / 32;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t t = 0; t < value_tiles; t++) {
+            int64_t dims = head_dim - t * 16 < 16 ? head_dim - t * 16 : 16;
+            __mmask16 valid = (__mmask16)((1u << dims) - 1u);
+            uint32_t *tile = (uint32_t *)(packed + (b * value_tiles + t) * 512);
+            for (int64_t i = 0; i < 16; i++) {
+                int64_t j = first + b * 32 + 2 * i;
+                __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+                if (j < count) {
+                    const uint16_t *row = values + (rows ? rows[j] : j) * key_stride + t * 16;
+                    even = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, row));
+                }
+                if (j + 1 < count) {
+                    const uint16_t *row =
+                        values + (rows ? rows[j + 1] : j + 1) * key_stride + t * 16;
+                    odd = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, row));
+                }
+                _mm512_storeu_si512(tile + i * 16, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+            }
+        }
+}
+
+#define SCORE_STEP(T, Q)                                                   \
+    if (dim_tiles > T) {                                                   \
+        _tile_loadd(5, key_tiles + (kb * dim_tiles + T) * 512, 64);        \
+        _tile_dpbf16ps(0, Q, 5);                                           \
+    }
+#define SCORE_PAIR(T, Q)                                                   \
+    if (dim_tiles > T) {                                                   \
+        _tile_loadd(5, key_tiles + (kb * dim_tiles + T) * 512, 64);        \
+        _tile_loadd(7, key_tiles + ((kb + 1) * dim_tiles + T) * 512, 64);  \
+        _tile_dpbf16ps(0, Q, 5);                                           \
+        _tile_dpbf16ps(6, Q, 7);                                           \
+    }
+#define VALUE_STEP(T)                                                                  \
+    if (n > T) {                                                                       \
+        _tile_loadd(5, value_tiles_at + (kb * value_tiles + pass + T) * 512, 64);      \
+        _tile_dpbf16ps(T, 4, 5);                                                       \
+    }
+#define ZERO4 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+#define LOAD_ACC(T) if (n > T) _tile_loadd(T, acc + (pass + T) * 16, acc_stride * 4);
+#define STORE_ACC(T) if (n > T) _tile_stored(T, acc + (pass + T) * 16, acc_stride * 4);
+
+/* acc (16 x acc_stride floats) += P[:, kb*32 ..] V for blocks [from, to) of the packed
+ * values, every value tile; tiles 0..3 accumulate, 4 holds P, 5 V. With load, acc's
+ * current contents are the starting point, otherwise zero. */
+static void amx_values(const uint16_t *p, int64_t p_stride, const uint16_t *value_tiles_at,
+                       int64_t value_tiles, int64_t block_base, int64_t from, int64_t to,
+                       float *acc, int64_t acc_stride, int load) {
+    for (int64_t pass = 0; pass < value_tiles; pass += 4) {
+        int64_t n = value_tiles - pass < 4 ? value_tiles - pass : 4;
+        if (load) {
+            LOAD_ACC(0) LOAD_ACC(1) LOAD_ACC(2) LOAD_ACC(3)
+        } else {
+            ZERO4
+        }
+        for (int64_t block = from; block < to; block++) {
+            int64_t kb = block - block_base;
+            _tile_loadd(4, p + block * 32, p_stride * 2);
+            VALUE_STEP(0) VALUE_STEP(1) VALUE_STEP(2) VALUE_STEP(3)
+        }
+        STORE_ACC(0) STORE_ACC(1) STORE_ACC(2) STORE_ACC(3)
+    }
+}
+
+/* Scratch per thread for attend_task_amx, sized for max_length keys. */
+typedef struct {
+    uint16_t *key_tiles, *value_tiles, *tail_tiles, *queries, *p;
+    float *scores, *acc, *tail_acc, *inverse;
+    int64_t *tail_rows;
+} amx_scratch;
+
+static int amx_scratch_alloc(amx_scratch *s, int64_t max_length, int64_t head_dim) {
+    int64_t padded = (max_length + 31) / 32 * 32;
+    int64_t dim_tiles = (head_dim + 31) / 32, value_tiles = (head_dim + 15) / 16;
+    memset(s, 0, sizeof *s);
+    s->key_tiles = aligned_alloc(64, (size_t)(padded / 16 * dim_tiles * 1024));
+    s->value_tiles = aligned_alloc(64, (size_t)(padded / 32 * value_tiles * 1024));
+    s->tail_tiles = aligned_alloc(64, (size_t)(4 * value_tiles * 1024)); /* <= 128 keys */
+    s->queries = aligned_alloc(64, (size_t)(16 * dim_tiles * 64));
+    s->p = aligned_alloc(64, (size_t)(16 * padded * 2));
+    s->scores = aligned_alloc(64, (size_t)(16 * padded * 4));
+    s->acc = aligned_alloc(64, (size_t)(16 * value_tiles * 64));
+    s->tail_acc = aligned_alloc(64, (size_t)(16 * value_tiles * 64));
+    s->inverse = malloc(16 * sizeof(float));
+    s->tail_rows = malloc(sizeof(int64_t) * (size_t)(padded + 128));
+    return s->key_tiles && s->value_tiles && s->tail_tiles && s->queries && s->p &&
+           s->scores && s->acc && s->tail_acc && s->inverse && s->tail_rows;
+}
+
+static void amx_scratch_free(amx_scratch *s) {
+    free(s->key_tiles);
+    free(s->value_tiles);
+    free(s->tail_tiles);
+    free(s->queries);
+    free(s->p);
+    free(s->scores);
+    free(s->acc);
+    free(s->tail_acc);
+    free(s->inverse);
+    free(s->tail_rows);
+}
+
+/* attend_task's contract on the tiles (bf16 only; head_dim even, <= AMX_MAX_DIM). */
+static void attend_task_amx(const uint16_t *query, const uint16_t *keys,
+                            const uint16_t *values, uint16_t *out, const int64_t *lengths,
+                            const int64_t *tree_prefix, const uint64_t *tree_visible,
+                            int64_t count, int64_t head_dim, int64_t key_stride, float scale,
+                            amx_scratch *s) {
+    const int64_t dim_tiles = (head_dim + 31) / 32, value_tiles = (head_dim + 15) / 16;
+    const int64_t acc_stride = value_tiles * 16;
+    int64_t longest = 0;
+    for (int64_t r = 0; r < count; r++)
+        if (lengths[r] > longest) longest = lengths[r];
+    const int64_t padded = (longest + 31) / 32 * 32; /* P's and the scores' row length */
+    amx_configure();
+    const uint16_t *key_tiles = s->key_tiles;
+    amx_pack_keys(keys, key_stride, longest, head_dim, dim_tiles, s->key_tiles);
+    amx_pack_values(values, key_stride, NULL, 0, longest, head_dim, value_tiles,
+                    s->value_tiles);
+    for (int64_t g0 = 0; g0 < count; g0 += 16) {
+        int64_t rows = count - g0 < 16 ? count - g0 : 16;
+        const int64_t *length = lengths + g0;
+        int64_t group_longest = 0, shared = longest;
+        for (int64_t r = 0; r < rows; r++) {
+            if (length[r] > group_longest) group_longest = length[r];
+            if (tree_prefix && tree_prefix[g0 + r] < shared) shared = tree_prefix[g0 + r];
+        }
+        /* The group's queries, zero-padded to 16 rows and whole dimension tiles. */
+        memset(s->queries, 0, (size_t)(16 * dim_tiles * 64));
+        for (int64_t r = 0; r < rows; r++)
+            memcpy(s->queries + r * dim_tiles * 32, query + (g0 + r) * head_dim,
+                   sizeof(uint16_t) * (size_t)head_dim);
+        _tile_loadd(1, s->queries, dim_tiles * 64);
+        if (dim_tiles > 1) _tile_loadd(2, s->queries + 32, dim_tiles * 64);
+        if (dim_tiles > 2) _tile_loadd(3, s->queries + 64, dim_tiles * 64);
+        if (dim_tiles > 3) _tile_loadd(4, s->queries + 96, dim_tiles * 64);
+        int64_t key_blocks = (group_longest + 15) / 16, kb = 0;
+        for (; kb + 1 < key_blocks; kb += 2) { /* two blocks in flight */
+            _tile_zero(0);
+            _tile_zero(6);
+            SCORE_PAIR(0, 1) SCORE_PAIR(1, 2) SCORE_PAIR(2, 3) SCORE_PAIR(3, 4)
+            _tile_stored(0, s->scores + kb * 16, padded * 4);
+            _tile_stored(6, s->scores + kb * 16 + 16, padded * 4);
+        }
+        if (kb < key_blocks) {
+            _tile_zero(0);
+            SCORE_STEP(0, 1) SCORE_STEP(1, 2) SCORE_STEP(2, 3) SCORE_STEP(3, 4)
+            _tile_stored(0, s->scores + kb * 16, padded * 4);
+        }
+        /* Weights: bf16(exp(score - best)), 0 past the row's (packed) length. */
+        int64_t group_blocks = (group_longest + 31) / 32;
+        for (int64_t r = 0; r < 16; r++) {
+            uint16_t *p = s->p + r * padded;
+            if (r >= rows) {
+                memset(p, 0, sizeof(uint16_t) * (size_t)(group_blocks * 32));
+                continue;
+            }
+            float *sc = s->scores + r * padded;
+            int64_t row_length = length[r];
+            if (tree_prefix)
+                row_length = pack_tree_scores(sc, tree_prefix[g0 + r], tree_visible[g0 + r]);
+            int64_t vectors = (row_length + 15) / 16;
+            for (int64_t j = row_length; j < vectors * 16; j++) sc[j] = -INFINITY;
+            /* scaled scores and their maximum (max is exact in any order) */
+            const __m512 scale_lanes = _mm512_set1_ps(scale);
+            __m512 top = _mm512_set1_ps(-INFINITY);
+            for (int64_t b = 0; b < vectors; b++) {
+                __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sc + b * 16), scale_lanes);
+                _mm512_storeu_ps(sc + b * 16, v);
+                top = _mm512_max_ps(top, v);
+            }
+            const float best = _mm512_reduce_max_ps(top);
+            __m512 lanes = _mm512_setzero_ps();
+            for (int64_t b = 0; b < vectors; b++) {
+                vfloat v;
+                memcpy(&v, sc + b * 16, sizeof v);
+                v = exp_nonpositive(v - best);
+                __m256bh half = _mm512_cvtneps_pbh((__m512)v);
+                _mm256_storeu_si256((__m256i *)(p + b * 16), (__m256i)half);
+                /* the normaliser sums the weights as P V will use them (rounded) */
+                lanes = _mm512_add_ps(lanes, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                                 _mm512_cvtepu16_epi32((__m256i)half), 16)));
+            }
+            for (int64_t j = vectors * 16; j < group_blocks * 32; j++) p[j] = 0;
+            float part[16];
+            _mm512_storeu_ps(part, lanes);
+            for (int width = 8; width > 0; width /= 2)
+                for (int l = 0; l < width; l++) part[l] += part[l + width];
+            s->inverse[r] = part[0] > 0.0f ? 1.0f / part[0] : 0.0f;
+        }
+        /* Values: blocks every row reads from the shared copy; a tree row's later blocks
+         * from its own packed copy (the keys it sees, one after the other). */
+        int64_t shared_blocks = tree_prefix ? shared / 32 : group_blocks;
+        amx_values(s->p, padded, s->value_tiles, value_tiles, 0, 0, shared_blocks, s->acc,
+                   acc_stride, 0);
+        float *result = s->acc;
+        if (tree_prefix) {
+            for (int64_t r = 0; r < rows; r++) {
+                int64_t prefix = tree_prefix[g0 + r];
+                uint64_t visible = tree_visible[g0 + r];
+                int64_t first = shared_blocks * 32, packed_length = first;
+                for (int64_t j = first; j < prefix; j++) s->tail_rows[packed_length++] = j;
+                for (int64_t t = 0; t < 64; t++)
+                    if ((visible >> t) & 1u) s->tail_rows[packed_length++] = prefix + t;
+                int64_t blocks = (packed_length - first + 31) / 32;
+                float *row_out = s->tail_acc + r * acc_stride;
+                memcpy(row_out, s->acc + r * acc_stride, sizeof(float) * (size_t)acc_stride);
+                for (int64_t b = 0; b < blocks; b += 4) {
+                    int64_t here = blocks - b < 4 ? blocks - b : 4;
+                    int64_t from = first + b * 32;
+                    int64_t to = from + here * 32 < packed_length ? from + here * 32 : packed_length;
+                    amx_pack_values(values, key_stride, s->tail_rows, from, to, head_dim,
+                                    value_tiles, s->tail_tiles);
+                    /* all 16 rows ride along; only row r's is kept */
+                    float tile_rows[16 * AMX_MAX_DIM];
+                    memcpy(tile_rows, s->acc, sizeof(float) * (size_t)(16 * acc_stride));
+                    memcpy(tile_rows + r * acc_stride, row_out, sizeof(float) * (size_t)acc_stride);
+                    amx_values(s->p, padded, s->tail_tiles, value_tiles, shared_blocks + b,
+                               shared_blocks + b, shared_blocks + b + here, tile_rows,
+                               acc_stride, 1);
+                    memcpy(row_out, tile_rows + r * acc_stride, sizeof(float) * (size_t)acc_stride);
+                }
+            }
+            result = s->tail_acc;
+        }
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t d = 0; d < head_dim; d++)
+                out[(g0 + r) * head_dim + d] =
+                    f32_to_bf16(result[r * acc_stride + d] * s->inverse[r]);
+    }
+}
+
+int knapspec_attention_amx_available(void) { return amx_permitted(); }
+#else
+int knapspec_attention_amx_available(void) { return 0; }
+#endif
+
 /* query/out: (kv_heads, rows_per_kv_head, head_dim) contiguous (the query heads of one
  * key/value head folded into its rows); keys/values: per K/V head key_head_stride elements
  * apart, keys key_stride apart; lengths: (kv_heads * rows_per_kv_head) keys each row sees
@@ -312,7 +657,14 @@ int knapspec_attend_tree(const void *query, const void *keys, const void *values
                          const uint64_t *tree_visible, int64_t tree_period, int dtype,
                          int64_t kv_heads, int64_t rows_per_kv_head, int64_t head_dim,
                          int64_t key_head_stride, int64_t key_stride, int64_t max_length,
-                         int64_t chunk, float scale, int threads) {
+                         int64_t chunk, float scale, int threads, int use_amx) {
+#ifdef KNAPSPEC_AMX_ATTENTION
+    if (use_amx && (dtype != DTYPE_BF16 || head_dim % 2 || head_dim > AMX_MAX_DIM ||
+                    !amx_permitted()))
+        return 4;
+#else
+    if (use_amx) return 4;
+#endif
     if (chunk < 1) chunk = 1;
     if (chunk > rows_per_kv_head) chunk = rows_per_kv_head;
     int64_t chunks_per_head = (rows_per_kv_head + chunk - 1) / chunk;
@@ -341,7 +693,13 @@ int knapspec_attend_tree(const void *query, const void *keys, const void *values
         int64_t *spans = malloc(sizeof(int64_t) * (size_t)(2 * chunk));
         uint64_t *masks = malloc(sizeof(uint64_t) * (size_t)chunk);
         int64_t *prefixes = spans ? spans + chunk : NULL;
-        if (!acc || !row || !qt || !key_rows || !value_rows || !scores || !packed || !spans ||
+#ifdef KNAPSPEC_AMX_ATTENTION
+        amx_scratch amx;
+        int amx_ready = use_amx ? amx_scratch_alloc(&amx, max_length, head_dim) : 1;
+#else
+        int amx_ready = 1;
+#endif
+        if (!amx_ready || !acc || !row || !qt || !key_rows || !value_rows || !scores || !packed || !spans ||
             !masks) {
 #pragma omp atomic write
             failed = 2;
@@ -361,6 +719,18 @@ int knapspec_attend_tree(const void *query, const void *keys, const void *values
                         masks[r] = tree_visible[entry];
                         spans[r] = tree_span(prefixes[r], masks[r]);
                     }
+#ifdef KNAPSPEC_AMX_ATTENTION
+                if (use_amx) {
+                    attend_task_amx((const uint16_t *)query + offset,
+                                    (const uint16_t *)keys + kv * key_head_stride,
+                                    (const uint16_t *)values + kv * key_head_stride,
+                                    (uint16_t *)out + offset,
+                                    tree_prefix ? spans : lengths + first_row,
+                                    tree_prefix ? prefixes : NULL, tree_prefix ? masks : NULL,
+                                    count, head_dim, key_stride, scale, &amx);
+                    continue;
+                }
+#endif
                 attend_task((const char *)query + offset * element,
                             (const char *)keys + kv * key_head_stride * element,
                             (const char *)values + kv * key_head_stride * element,
@@ -371,6 +741,9 @@ int knapspec_attend_tree(const void *query, const void *keys, const void *values
                             value_rows, padded_length);
             }
         }
+#ifdef KNAPSPEC_AMX_ATTENTION
+        if (use_amx) amx_scratch_free(&amx);
+#endif
         free(acc);
         free(row);
         free(qt);
@@ -392,5 +765,5 @@ int knapspec_attend(const void *query, const void *keys, const void *values, voi
                     int threads) {
     return knapspec_attend_tree(query, keys, values, out, lengths, NULL, NULL, 0, dtype,
                                 kv_heads, rows_per_kv_head, head_dim, key_head_stride,
-                                key_stride, max_length, chunk, scale, threads);
+                                key_stride, max_length, chunk, scale, threads, 0);
 }
