@@ -183,6 +183,7 @@ def main() -> None:
     env = {
         **environment(exact_model, args.threads),
         "invariance": exact.invariance.kernels if exact.invariance else None,
+        "attention": exact.exact_attention_path,
         **kernel_record(exact),
     }
     command = "python " + " ".join(sys.argv)
