@@ -484,3 +484,54 @@ def test_a_round_is_priced_as_it_attends_and_alike_by_search_and_calibration(
     assert packed_verify_cost(costs, widths, context) == pytest.approx(expected)
     prices = RoundPrices(costs, rows, context, BatchPassCalibration(), BatchPassCalibration(), None)
     assert prices.round(tokens, width, 0, sum(attention)) == pytest.approx(expected)
+
+
+@given(
+    lengths=st.lists(st.integers(0, 12), min_size=1, max_size=6),
+    data=st.data(),
+)
+def test_keep_moves_each_kept_row_whole(lengths: list[int], data: st.DataObject) -> None:
+    """After ``keep(rows)`` slot ``i`` holds row ``rows[i]``'s valid tokens and length, for
+    the hole-filling orders retirement uses and for any other order (a gather)."""
+    cache = BatchKVCache(2, len(lengths), 2, 4, 12, dtype=torch.float32, device=torch.device("cpu"))
+    for layer in range(2):
+        cache._keys[layer].normal_()
+        cache._values[layer].normal_()
+    cache.set_lengths(lengths)
+    before_keys = [k.clone() for k in cache._keys]
+    before_values = [v.clone() for v in cache._values]
+    rows = data.draw(st.permutations(range(len(lengths))))
+    rows = rows[: data.draw(st.integers(0, len(rows)))]
+    cache.keep(list(rows))
+    assert cache.lengths == [lengths[row] for row in rows]
+    for slot, row in enumerate(rows):
+        n = lengths[row]
+        for layer in range(2):
+            assert torch.equal(cache._keys[layer][slot, :, :n], before_keys[layer][row, :, :n])
+            assert torch.equal(cache._values[layer][slot, :, :n], before_values[layer][row, :, :n])
+
+
+def test_a_retirement_moves_only_the_last_rows_into_the_holes() -> None:
+    """Rows 1 and 3 of 6 stop: rows 4 and 5 fill their slots, rows 0 and 2 stay put."""
+    active = [10, 11, 12, 13, 14, 15]
+
+    class _Stats:
+        def __init__(self, stop: str) -> None:
+            self.stop_reason = stop
+            self.wall_time_s = 0.0
+
+    class _Cache:
+        def __init__(self) -> None:
+            self.kept: list[int] = []
+
+        def keep(self, rows: list[int]) -> None:
+            self.kept = rows
+
+    bare = object.__new__(BatchRun)
+    stopped = {11, 13}
+    bare.stats = {row: _Stats("eos" if row in stopped else "") for row in active}  # type: ignore[assignment]
+    bare._now = lambda: 1.0  # type: ignore[method-assign]
+    cache = _Cache()
+    bare._retire(active, cache, 0.0)  # type: ignore[arg-type]
+    assert cache.kept == [0, 4, 2, 5]
+    assert active == [10, 14, 12, 15]

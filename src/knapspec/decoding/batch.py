@@ -292,14 +292,20 @@ class BatchRun:
             self.stats[row].plan_time_s += self._now() - plan_start
 
     def _retire(self, active: list[int], cache: BatchKVCache, start_time: float) -> None:
-        """Drop rows that stopped; pack the cache onto the rows still running."""
-        keep = [slot for slot, row in enumerate(active) if not self.stats[row].stop_reason]
-        if len(keep) == len(active):
+        """Drop rows that stopped; pack the cache onto the rows still running. The last
+        running rows move into the freed slots (the others stay put), so a retirement
+        copies one row's K/V per freed slot, not every row behind it."""
+        running = [slot for slot, row in enumerate(active) if not self.stats[row].stop_reason]
+        if len(running) == len(active):
             return
         now = self._now()
         for row in active:
             if self.stats[row].stop_reason:
                 self.stats[row].wall_time_s = now - start_time
+        count = len(running)
+        staying = set(running)
+        movers = iter(slot for slot in running if slot >= count)
+        keep = [slot if slot in staying else next(movers) for slot in range(count)]
         active[:] = [active[slot] for slot in keep]
         cache.keep(keep)
 
