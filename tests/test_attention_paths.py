@@ -1,7 +1,7 @@
-"""Both paths of the row-invariant bf16 attention keep the contract: the vector path and,
-on a CPU whose OS grants AMX tiles, the tile path (``csrc/row_attention.c``). Each path is
-forced in turn, so an AMX machine tests both and any other machine the vector one (the
-tile cases skip there, saying why).
+"""Every path of the row-invariant bf16 attention keeps the contract: the vector path, on a
+CPU whose OS grants AMX tiles the tile path, and on one with AVX512-BF16 the ``VDPBF16PS``
+path (``csrc/row_attention.c``). Each path is forced in turn, so each machine tests what it
+has (the other cases skip, saying why).
 
 Per path: a row's output is bitwise the same alone or among up to 40 others of any lengths
 (rows spread over several 16-row tiles), it is softmax attention to bf16 precision, a tree
@@ -30,7 +30,7 @@ from knapspec.model.row_attention import (
 from knapspec.testing.exactness import verification_mismatches
 from knapspec.testing.models import tiny_model
 
-PATHS = ("vector", "amx-tiles")
+PATHS = ("vector", "amx-tiles", "avx512-bf16")
 #: The path fixture only patches a module flag, the same for every example.
 FIXTURE = [HealthCheck.function_scoped_fixture]
 
@@ -40,12 +40,19 @@ def _tiles_here() -> bool:
     return library is not None and library.knapspec_attention_amx_available() == 1
 
 
+def _dpbf16_here() -> bool:
+    library = row_attention.load_library()
+    return library is not None and library.knapspec_attention_dpbf16_available() == 1
+
+
 @pytest.fixture(params=PATHS)
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Force one path for the test (the process-wide decision is patched, then restored)."""
     if request.param == "amx-tiles" and not _tiles_here():
-        pytest.skip("this CPU (or its OS) offers no AMX tiles; the vector path is tested")
-    monkeypatch.setattr(row_attention, "_amx_decision", request.param == "amx-tiles")
+        pytest.skip("this CPU (or its OS) offers no AMX tiles")
+    if request.param == "avx512-bf16" and not _dpbf16_here():
+        pytest.skip("this CPU has no AVX512-BF16 (the kernel was built without VDPBF16PS)")
+    monkeypatch.setattr(row_attention, "_bf16_unit", request.param)
     assert attention_path(torch.bfloat16, 64) == request.param
     yield request.param
 
@@ -177,24 +184,49 @@ def test_each_path_keeps_an_exact_engine_exact(
     assert verification_mismatches(engine, tokens[:context], tokens[context:]) == []
 
 
-def test_the_tiles_follow_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``KNAPSPEC_AMX_ATTENTION=0`` keeps bf16 on the vector path; float32 never takes the
-    tiles, and a head too wide for them neither."""
-    monkeypatch.setattr(row_attention, "_amx_decision", None)
-    monkeypatch.setenv("KNAPSPEC_AMX_ATTENTION", "0")
-    assert attention_path(torch.bfloat16, 64) == "vector"
-    monkeypatch.setattr(row_attention, "_amx_decision", None)
-    monkeypatch.delenv("KNAPSPEC_AMX_ATTENTION")
-    expected = "amx-tiles" if _tiles_here() else "vector"
+def test_the_paths_follow_the_switches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` takes the fastest path here; ``KNAPSPEC_ATTENTION_UNIT`` picks one, and a
+    name that is no path or one this machine lacks is a clear error; the older
+    ``KNAPSPEC_AMX_ATTENTION=0`` rules out the tiles; float32, an odd head size and a head
+    too wide for the bf16 units take the vector path."""
+    here = row_attention.available_bf16_units()
+    expected = "amx-tiles" if _tiles_here() else "avx512-bf16" if _dpbf16_here() else "vector"
+    assert here[0] == expected and here[-1] == "vector"
+    monkeypatch.setattr(row_attention, "_bf16_unit", None)
+    monkeypatch.delenv("KNAPSPEC_ATTENTION_UNIT", raising=False)
+    monkeypatch.delenv("KNAPSPEC_AMX_ATTENTION", raising=False)
     assert attention_path(torch.bfloat16, 64) == expected
     assert attention_path(torch.float32, 64) == "vector"
     assert attention_path(torch.bfloat16, 256) == "vector"
+    assert attention_path(torch.bfloat16, 63) == "vector"
+    for unit in here:
+        monkeypatch.setattr(row_attention, "_bf16_unit", None)
+        monkeypatch.setenv("KNAPSPEC_ATTENTION_UNIT", unit)
+        assert attention_path(torch.bfloat16, 64) == unit
+    monkeypatch.setattr(row_attention, "_bf16_unit", None)
+    monkeypatch.setenv("KNAPSPEC_ATTENTION_UNIT", "tensor-cores")
+    with pytest.raises(ValueError, match="valid: auto, vector, amx-tiles, avx512-bf16"):
+        attention_path(torch.bfloat16, 64)
+    missing = [unit for unit in ("amx-tiles", "avx512-bf16") if unit not in here]
+    for unit in missing:
+        monkeypatch.setattr(row_attention, "_bf16_unit", None)
+        monkeypatch.setenv("KNAPSPEC_ATTENTION_UNIT", unit)
+        with pytest.raises(ValueError, match="available here"):
+            attention_path(torch.bfloat16, 64)
+    monkeypatch.setattr(row_attention, "_bf16_unit", None)
+    monkeypatch.delenv("KNAPSPEC_ATTENTION_UNIT")
+    monkeypatch.setenv("KNAPSPEC_AMX_ATTENTION", "0")
+    assert attention_path(torch.bfloat16, 64) == next(u for u in here if u != "amx-tiles")
 
 
-def test_the_kernel_refuses_tiles_it_cannot_serve(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Asked for tiles on float32 (or where there are none), the kernel returns an error
-    instead of computing something else; the Python side raises it."""
-    monkeypatch.setattr(row_attention, "_use_amx", lambda dtype, head_dim: 1)
+@pytest.mark.parametrize("unit", [1, 2, 3])
+def test_the_kernel_refuses_a_unit_it_cannot_serve(
+    unit: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Asked for a bf16 unit on float32 (or for one that is not there, or no unit at all),
+    the kernel returns an error instead of computing something else; the Python side
+    raises it."""
+    monkeypatch.setattr(row_attention, "_unit", lambda dtype, head_dim: unit)
     query, keys = torch.randn(2, 3, 16), torch.randn(1, 5, 16)
     with pytest.raises(RuntimeError, match="status 4"):
         attend_rows(query, keys, keys, torch.tensor([3, 4, 5]), 0.25)

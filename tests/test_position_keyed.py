@@ -136,12 +136,18 @@ def test_forced_plans_really_draft_and_get_drafts_accepted_and_rejected(
     model: torch.nn.Module,
 ) -> None:
     """The property above is about speculation: a fixed mixed plan drafts with both
-    drafters, and some of their drafts are accepted and some rejected."""
+    drafters, and some of their drafts are accepted and some rejected (over eight seeds:
+    which drafts one seed's run meets depends on the attention kernel's rounding, and a
+    lookup draft here is accepted about one time in twenty: 0 of 18 for seed 11 alone in
+    bf16 on the VDPBF16PS path)."""
     plan = [Choice(LOOKUP, 3, ()), Choice(SUBNETWORK, 4, (5, 7)), Choice(SUBNETWORK, 3, (0, 1))]
     decoder = SpeculativeDecoder(model, planner=ScriptedPlanner(plan), confidence_threshold=0)
     stats = [
-        decoder.generate(torch.tensor(p), max_new_tokens=NEW_TOKENS, sampling=SAMPLED).stats
+        decoder.generate(
+            torch.tensor(p), max_new_tokens=NEW_TOKENS, sampling=attrs.evolve(SAMPLED, seed=seed)
+        ).stats
         for p in PROMPTS
+        for seed in range(11, 19)
     ]
     for name in (SUBNETWORK, LOOKUP):
         drafted = sum(s.drafters[name].drafted for s in stats if name in s.drafters)

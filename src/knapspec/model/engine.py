@@ -312,12 +312,23 @@ class SublayerEngine:
 
     @property
     def exact_attention_path(self) -> str | None:
-        """What this exact engine's attention runs on here: ``amx-tiles``, ``vector`` or
-        ``one-query-calls`` (:func:`~knapspec.model.row_attention.attention_path`); None
-        for an inexact engine or one off the CPU."""
+        """What this exact engine's attention runs on here: ``amx-tiles``, ``avx512-bf16``,
+        ``vector`` or ``one-query-calls``
+        (:func:`~knapspec.model.row_attention.attention_path`); None for an inexact engine
+        or one off the CPU."""
         if not self.exact or self.device.type != "cpu":
             return None
         return attention_path(self.dtype, self.head_dim)
+
+    def _prefill_by_kernel(self) -> bool:
+        """Whether a cold prefill attends through the row-invariant kernel (in 64-query
+        blocks) rather than PyTorch's fused attention: where the kernel runs on
+        ``VDPBF16PS`` (AVX512-BF16 without tiles). On a 2-core AMD EPYC Zen 4 a causal bf16
+        prefill of 4,096 tokens (9 query / 3 K/V heads of 64) took 73 ms a layer there
+        against 147 ms in ``scaled_dot_product_attention``; on the vector path (193 ms) and
+        on an AMX Xeon the fused attention is kept. Plain and speculative decoding share
+        the prefill, so this changes no comparison between them."""
+        return self.exact_attention_path == "avx512-bf16"
 
     def enable_chunk_invariance(self) -> bool:
         """Make every later prefill chunk-invariant (:attr:`chunk_invariant`), unless the
@@ -615,7 +626,7 @@ class SublayerEngine:
         values = cache.values(layer_index, end).unsqueeze(0)
         if tree is not None:
             attended = self._attend_tree(query, keys, values, tree)
-        elif self.chunk_invariant:
+        elif self.chunk_invariant or (start == 0 and q_len > 1 and self._prefill_by_kernel()):
             attended = self._attend_blocks(query[0], keys[0], values[0], start)
         elif self.exact and (start > 0 or q_len == 1) and q_len <= EXACT_MAX_QUERIES:
             attended = self.attend_exact(query[0], keys[0], values[0], start)

@@ -64,8 +64,12 @@ def _declare(library: ctypes.CDLL) -> None:
         ctypes.c_int,
         ctypes.c_int,
     ]
-    library.knapspec_attention_amx_available.restype = ctypes.c_int
-    library.knapspec_attention_amx_available.argtypes = []
+    for probe in (
+        library.knapspec_attention_amx_available,
+        library.knapspec_attention_dpbf16_available,
+    ):
+        probe.restype = ctypes.c_int
+        probe.argtypes = []
 
 
 LIBRARY = CompiledLibrary(
@@ -82,50 +86,85 @@ def load_library() -> ctypes.CDLL | None:
     return LIBRARY.load()
 
 
-#: The largest head size the tile path serves (4 tiles of 32 dimensions for the scores).
+#: The largest head size the bf16-unit paths serve (4 tiles of 32 dimensions for the scores).
 AMX_MAX_HEAD_DIM = 128
 
-#: Set ``KNAPSPEC_AMX_ATTENTION=0`` to keep bf16 attention on the vector path (for A/B runs;
-#: either path keeps the contract, but the two differ in rounding, so one process uses one).
+#: The kernel's ``unit`` codes, by path name.
+_UNITS = {"vector": 0, "amx-tiles": 1, "avx512-bf16": 2}
+
+#: ``KNAPSPEC_ATTENTION_UNIT`` picks what bf16 attention runs on (for A/B runs; every path
+#: keeps the contract, but they differ in rounding, so one process uses one):
+#: ``auto`` (default: the AMX tiles where the OS grants them, else ``VDPBF16PS`` where the
+#: CPU has AVX512-BF16, else the vector path), ``amx-tiles``, ``avx512-bf16`` or
+#: ``vector``. ``KNAPSPEC_AMX_ATTENTION=0`` (the older switch) rules out the tiles.
+_UNIT_SWITCH = "KNAPSPEC_ATTENTION_UNIT"
 _AMX_SWITCH = "KNAPSPEC_AMX_ATTENTION"
 
-_amx_decision: bool | None = None
+_bf16_unit: str | None = None
+
+
+def available_bf16_units() -> list[str]:
+    """The paths bf16 attention can run on here, fastest first (``vector`` always)."""
+    library = load_library()
+    units = []
+    if library is not None and library.knapspec_attention_amx_available() == 1:
+        units.append("amx-tiles")
+    if library is not None and library.knapspec_attention_dpbf16_available() == 1:
+        units.append("avx512-bf16")
+    return [*units, "vector"]
+
+
+def bf16_attention_unit() -> str:
+    """What bf16 attention runs on in this process: ``amx-tiles``, ``avx512-bf16`` or
+    ``vector`` (``KNAPSPEC_ATTENTION_UNIT``, above). Decided once per process, so every
+    bf16 call (a step, a verification, a tree, a prefill chunk) runs the same arithmetic.
+
+    Raises:
+        ValueError: ``KNAPSPEC_ATTENTION_UNIT`` names no path, or one this machine lacks.
+    """
+    global _bf16_unit
+    if _bf16_unit is None:
+        units = available_bf16_units()
+        if os.environ.get(_AMX_SWITCH, "1") == "0" and "amx-tiles" in units:
+            units.remove("amx-tiles")
+        wanted = os.environ.get(_UNIT_SWITCH, "auto").strip().lower() or "auto"
+        if wanted != "auto" and wanted not in _UNITS:
+            raise ValueError(
+                f"{_UNIT_SWITCH}={wanted!r} names no attention path; valid: "
+                f"auto, {', '.join(_UNITS)}"
+            )
+        if wanted != "auto" and wanted not in units:
+            raise ValueError(
+                f"{_UNIT_SWITCH}={wanted!r}, but this CPU, its OS or the compiled kernel does "
+                f"not offer it; available here: {', '.join(units)} (or auto)"
+            )
+        _bf16_unit = units[0] if wanted == "auto" else wanted
+        logger.debug("bf16 row-invariant attention runs on %s", _bf16_unit)
+    return _bf16_unit
 
 
 def amx_attention_enabled() -> bool:
-    """Whether bf16 attention runs on the AMX tiles in this process: the kernel was built
-    with them, the OS grants them, and ``KNAPSPEC_AMX_ATTENTION`` is not ``0``. Decided
-    once per process, so every bf16 call (a step, a verification, a tree, a prefill chunk)
-    runs the same arithmetic."""
-    global _amx_decision
-    if _amx_decision is None:
-        library = load_library()
-        _amx_decision = (
-            library is not None
-            and os.environ.get(_AMX_SWITCH, "1") != "0"
-            and library.knapspec_attention_amx_available() == 1
-        )
-        if _amx_decision:
-            logger.debug("bf16 row-invariant attention runs on the AMX tiles")
-    return _amx_decision
+    """Whether bf16 attention runs on the AMX tiles in this process
+    (:func:`bf16_attention_unit`)."""
+    return bf16_attention_unit() == "amx-tiles"
 
 
-def _use_amx(dtype: torch.dtype, head_dim: int) -> int:
-    """The kernel's ``use_amx`` argument for one call."""
-    return int(
-        dtype == torch.bfloat16
-        and head_dim % 2 == 0
-        and head_dim <= AMX_MAX_HEAD_DIM
-        and amx_attention_enabled()
-    )
+def _unit(dtype: torch.dtype, head_dim: int) -> int:
+    """The kernel's ``unit`` argument for one call: the process's bf16 path where it serves
+    this call (bf16, an even head size up to ``AMX_MAX_HEAD_DIM``), else the vector path."""
+    if dtype != torch.bfloat16 or head_dim % 2 or head_dim > AMX_MAX_HEAD_DIM:
+        return 0
+    return _UNITS[bf16_attention_unit()]
 
 
 def attention_path(dtype: torch.dtype, head_dim: int) -> str:
     """What exact attention runs on for ``dtype`` and ``head_dim`` here: ``amx-tiles``,
-    ``vector`` (the compiled kernel's vector path) or ``one-query-calls`` (no compiler)."""
+    ``avx512-bf16`` (``VDPBF16PS``), ``vector`` (the compiled kernel's fp32-FMA path) or
+    ``one-query-calls`` (no compiler)."""
     if not kernel_available(dtype):
         return "one-query-calls"
-    return "amx-tiles" if _use_amx(dtype, head_dim) else "vector"
+    code = _unit(dtype, head_dim)
+    return next(name for name, value in _UNITS.items() if value == code)
 
 
 def kernel_available(dtype: torch.dtype) -> bool:
@@ -203,7 +242,7 @@ def attend_rows_batched(
     rows_per_kv_head = heads // kv_heads * q_len
     threads = torch.get_num_threads()
     total_kv = batch * kv_heads
-    amx = _use_amx(query.dtype, head_dim)
+    unit = _unit(query.dtype, head_dim)
     status = library.knapspec_attend_tree(
         folded.data_ptr(),
         merged_keys.data_ptr(),
@@ -220,10 +259,10 @@ def attend_rows_batched(
         merged_keys.stride(0),
         merged_keys.stride(1),
         n_keys,
-        _chunk_rows(total_kv, rows_per_kv_head, threads, bool(amx)),
+        _chunk_rows(total_kv, rows_per_kv_head, threads, bool(unit)),
         float(scale),
         threads,
-        amx,
+        unit,
     )
     if status:
         raise RuntimeError(f"row-invariant attention kernel failed (status {status})")
@@ -319,7 +358,7 @@ def _run_kernel(
     prefix, visible = (t.to(torch.int64).contiguous() for t in tree) if tree else (None, None)
     rows_per_kv_head = heads // kv_heads * q_len
     threads = torch.get_num_threads()
-    amx = _use_amx(query.dtype, head_dim)
+    unit = _unit(query.dtype, head_dim)
     status = library.knapspec_attend_tree(
         query.data_ptr(),
         keys.data_ptr(),
@@ -334,10 +373,10 @@ def _run_kernel(
         keys.stride(0),
         keys.stride(1),
         n_keys,
-        _chunk_rows(kv_heads, rows_per_kv_head, threads, bool(amx)),
+        _chunk_rows(kv_heads, rows_per_kv_head, threads, bool(unit)),
         float(scale),
         threads,
-        amx,
+        unit,
     )
     if status == 3:
         return None
@@ -348,9 +387,9 @@ def _run_kernel(
 
 def _chunk_rows(kv_heads: int, rows_per_kv_head: int, threads: int, tiles: bool = False) -> int:
     """Rows per task: all of a K/V head's rows together (each key loaded once for them)
-    unless that leaves a thread idle; the split changes no row's arithmetic. On the tiles
-    (``tiles``) a split is in whole 16-row tiles: a part tile costs what a full one does,
-    and each task repacks its head's keys."""
+    unless that leaves a thread idle; the split changes no row's arithmetic. On the bf16
+    units (``tiles``) a split is in whole 16-row groups: a part tile costs what a full one
+    does, and each task repacks its head's keys."""
     if kv_heads % threads == 0 or kv_heads >= 4 * threads:
         return rows_per_kv_head
     chunk = max(1, -(-rows_per_kv_head * kv_heads // (threads * kv_heads)))

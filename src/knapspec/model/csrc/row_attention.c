@@ -36,6 +36,8 @@ typedef float vfloat __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vint __attribute__((vector_size(LANES * sizeof(int32_t))));
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+/* What a call runs on: the vector path (any dtype), the AMX tiles or VDPBF16PS (bf16). */
+enum { UNIT_VECTOR = 0, UNIT_AMX = 1, UNIT_DPBF16 = 2 };
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = ((uint32_t)h) << 16;
@@ -316,40 +318,12 @@ static void attend_task(const void *query, const void *keys, const void *values,
  * dimensions, V in VNNI pairs of keys); a 16-row tile costs what one row costs, so a
  * 64-query prefill chunk runs at matrix-unit speed and a one-token step stays cheap.
  * ------------------------------------------------------------------------------------- */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#define KNAPSPEC_AMX_ATTENTION 1
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#define KNAPSPEC_BF16_UNITS 1
 #define AMX_MAX_DIM 128 /* up to 4 dimension tiles for the scores, 8 value tiles */
-
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-static int amx_permitted(void) {
-    static int state = 0;
-    if (state == 0)
-        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return state == 1;
-}
-
-static void amx_configure(void) {
-    tile_config config;
-    memset(&config, 0, sizeof config);
-    config.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        config.rows[t] = 16;
-        config.colsb[t] = 64;
-    }
-    _tile_loadconfig(&config);
-}
 
 /* Sixteen rows of 16 dwords, transposed in registers (out[c] = dword c of every row). */
 static inline void transpose16(const __m512i in[16], __m512i out[16]) {
@@ -378,7 +352,7 @@ static inline void transpose16(const __m512i in[16], __m512i out[16]) {
 
 /* K^T for keys [0, count) in tiles of 16 keys by 32 dimensions, VNNI pairs of dimensions:
  * packed[block][dim_tile][pair][key][2] (1 KiB a tile); missing keys and dimensions 0. */
-static void amx_pack_keys(const uint16_t *keys, int64_t key_stride, int64_t count,
+static void vnni_pack_keys(const uint16_t *keys, int64_t key_stride, int64_t count,
                           int64_t head_dim, int64_t dim_tiles, uint16_t *packed) {
     int64_t blocks = (count + 15) / 16;
     __m512i rows[16], columns[16];
@@ -401,7 +375,7 @@ static void amx_pack_keys(const uint16_t *keys, int64_t key_stride, int64_t coun
 /* V for keys [0, count) in tiles of 32 keys by 16 dimensions, VNNI pairs of keys:
  * packed[block][dim_tile][pair][dim][2]; missing keys and dimensions 0. rows[j] gives
  * key j's row (NULL: key j sits at values + j * key_stride). */
-static void amx_pack_values(const uint16_t *values, int64_t key_stride, const int64_t *rows,
+static void vnni_pack_values(const uint16_t *values, int64_t key_stride, const int64_t *rows,
                             int64_t first, int64_t count, int64_t head_dim,
                             int64_t value_tiles, uint16_t *packed) {
     int64_t blocks = (count - first + 31) / 32;
@@ -425,6 +399,306 @@ static void amx_pack_values(const uint16_t *values, int64_t key_stride, const in
                 _mm512_storeu_si512(tile + i * 16, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
             }
         }
+}
+
+/* Scratch per thread for the bf16-unit paths (tiles, VDPBF16PS), sized for max_length keys. */
+typedef struct {
+    uint16_t *key_tiles, *value_tiles, *tail_tiles, *queries, *p;
+    float *scores, *acc, *tail_acc, *inverse;
+    int64_t *tail_rows;
+} bf16_scratch;
+
+static int bf16_scratch_alloc(bf16_scratch *s, int64_t max_length, int64_t head_dim) {
+    int64_t padded = (max_length + 31) / 32 * 32;
+    int64_t dim_tiles = (head_dim + 31) / 32, value_tiles = (head_dim + 15) / 16;
+    memset(s, 0, sizeof *s);
+    s->key_tiles = aligned_alloc(64, (size_t)(padded / 16 * dim_tiles * 1024));
+    s->value_tiles = aligned_alloc(64, (size_t)(padded / 32 * value_tiles * 1024));
+    s->tail_tiles = aligned_alloc(64, (size_t)(4 * value_tiles * 1024)); /* <= 128 keys */
+    s->queries = aligned_alloc(64, (size_t)(16 * dim_tiles * 64));
+    s->p = aligned_alloc(64, (size_t)(16 * padded * 2));
+    s->scores = aligned_alloc(64, (size_t)(16 * padded * 4));
+    s->acc = aligned_alloc(64, (size_t)(16 * value_tiles * 64));
+    s->tail_acc = aligned_alloc(64, (size_t)(16 * value_tiles * 64));
+    s->inverse = malloc(16 * sizeof(float));
+    s->tail_rows = malloc(sizeof(int64_t) * (size_t)(padded + 128));
+    return s->key_tiles && s->value_tiles && s->tail_tiles && s->queries && s->p &&
+           s->scores && s->acc && s->tail_acc && s->inverse && s->tail_rows;
+}
+
+static void bf16_scratch_free(bf16_scratch *s) {
+    free(s->key_tiles);
+    free(s->value_tiles);
+    free(s->tail_tiles);
+    free(s->queries);
+    free(s->p);
+    free(s->scores);
+    free(s->acc);
+    free(s->tail_acc);
+    free(s->inverse);
+    free(s->tail_rows);
+}
+
+/* One row's softmax weights, as both bf16-unit paths compute them: the scores sc[0 ..
+ * row_length) scaled, their maximum (exact in any order), p_j = bf16(exp(score_j - best)),
+ * 0 from row_length up to p_length, and the normaliser summed from the rounded weights (as
+ * P V uses them) in 16 lanes (key j in lane j % 16) then a fixed tree. sc must have room
+ * for row_length rounded up to 16. Returns 1 / normaliser (0 for an empty row). */
+static float bf16_weights(float *sc, int64_t row_length, float scale, uint16_t *p,
+                          int64_t p_length) {
+    int64_t vectors = (row_length + 15) / 16;
+    for (int64_t j = row_length; j < vectors * 16; j++) sc[j] = -INFINITY;
+    const __m512 scale_lanes = _mm512_set1_ps(scale);
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t b = 0; b < vectors; b++) {
+        __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sc + b * 16), scale_lanes);
+        _mm512_storeu_ps(sc + b * 16, v);
+        top = _mm512_max_ps(top, v);
+    }
+    const float best = _mm512_reduce_max_ps(top);
+    __m512 lanes = _mm512_setzero_ps();
+    for (int64_t b = 0; b < vectors; b++) {
+        vfloat v;
+        memcpy(&v, sc + b * 16, sizeof v);
+        v = exp_nonpositive(v - best);
+        __m256bh half = _mm512_cvtneps_pbh((__m512)v);
+        _mm256_storeu_si256((__m256i *)(p + b * 16), (__m256i)half);
+        lanes = _mm512_add_ps(lanes, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                         _mm512_cvtepu16_epi32((__m256i)half), 16)));
+    }
+    for (int64_t j = vectors * 16; j < p_length; j++) p[j] = 0;
+    float part[16];
+    _mm512_storeu_ps(part, lanes);
+    for (int width = 8; width > 0; width /= 2)
+        for (int l = 0; l < width; l++) part[l] += part[l + width];
+    return part[0] > 0.0f ? 1.0f / part[0] : 0.0f;
+}
+/* ---------------------------------------------------------------------------------------
+ * VDPBF16PS (AVX512-BF16 without tiles, e.g. AMD Zen 4): the same contract as the tiles,
+ * on the vector unit's bf16 dot products. Per row, in this order (whatever other rows
+ * share the call):
+ *   score_j = VDPBF16PS over the dimension pairs of q and k_j in order (one fp32 lane per
+ *             key, from zero), then * scale;
+ *   weights and normaliser as bf16_weights computes them;
+ *   acc = VDPBF16PS over the row's own key pairs (2i, 2i + 1) in key order, up to its
+ *         length rounded up to a pair (the weight past the length is 0), one fp32 lane
+ *         per dimension, from zero; out = bf16(acc / norm).
+ * Each lane's chain reads only its row's query or weights, so blocking rows together
+ * (DP_ROWS rows share each key and value load) changes no bit. Keys and values are packed
+ * per call into VNNI pairs (the tiles' layout), once per K/V head and task.
+ * ------------------------------------------------------------------------------------- */
+#define DP_ROWS 4
+#define DP_KEY_BLOCKS 4
+
+static inline __m512 dpbf16(__m512 acc, __m512i a, __m512i b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+static inline __m512i broadcast_pair(const uint16_t *at) {
+    uint32_t pair;
+    memcpy(&pair, at, sizeof pair);
+    return _mm512_set1_epi32((int)pair);
+}
+
+/* The packed K^T vector of 16-key block kb, dimension pair P. */
+static inline const uint16_t *key_pair_at(const uint16_t *key_tiles, int64_t dim_tiles,
+                                          int64_t kb, int64_t P) {
+    return key_tiles + (kb * dim_tiles + P / 16) * 512 + (P % 16) * 32;
+}
+
+/* The packed V vector of key pair I, 16-dimension tile t. */
+static inline const uint16_t *value_pair_at(const uint16_t *value_tiles_at,
+                                            int64_t value_tiles, int64_t I, int64_t t) {
+    return value_tiles_at + ((I / 16) * value_tiles + t) * 512 + (I % 16) * 32;
+}
+
+/* Scores of rows [r0, r0 + nr) (nr <= DP_ROWS) over key blocks [kb, kb + nk) (nk <=
+ * DP_KEY_BLOCKS); q: the rows' queries, q_stride uint16 apart; scores padded apart. */
+static inline __attribute__((always_inline)) void dp_scores(
+    const uint16_t *q, int64_t q_stride, const uint16_t *key_tiles, int64_t dim_tiles,
+    int64_t pairs, int64_t kb, const int nr, const int nk, float *scores, int64_t padded) {
+    __m512 a[DP_ROWS][DP_KEY_BLOCKS];
+    for (int i = 0; i < nr; i++)
+        for (int k = 0; k < nk; k++) a[i][k] = _mm512_setzero_ps();
+    for (int64_t P = 0; P < pairs; P++) {
+        __m512i key[DP_KEY_BLOCKS];
+        for (int k = 0; k < nk; k++)
+            key[k] = _mm512_loadu_si512(key_pair_at(key_tiles, dim_tiles, kb + k, P));
+        for (int i = 0; i < nr; i++) {
+            __m512i pair = broadcast_pair(q + i * q_stride + 2 * P);
+            for (int k = 0; k < nk; k++) a[i][k] = dpbf16(a[i][k], key[k], pair);
+        }
+    }
+    for (int i = 0; i < nr; i++)
+        for (int k = 0; k < nk; k++)
+            _mm512_storeu_ps(scores + i * padded + (kb + k) * 16, a[i][k]);
+}
+
+/* acc[i] (value_tiles vectors each) += weights' pairs [from, to) x V's pairs, for nr rows
+ * whose weights are p_stride apart; V from value_tiles_at (pair I at I - base). */
+static inline __attribute__((always_inline)) void dp_values(
+    const uint16_t *p, int64_t p_stride, const uint16_t *value_tiles_at, int64_t value_tiles,
+    int64_t base, int64_t from, int64_t to, const int nr, const int tiles, __m512 acc[][8]) {
+    for (int64_t I = from; I < to; I++) {
+        __m512i value[8];
+        for (int t = 0; t < tiles; t++)
+            value[t] = _mm512_loadu_si512(value_pair_at(value_tiles_at, value_tiles, I - base, t));
+        for (int i = 0; i < nr; i++) {
+            __m512i pair = broadcast_pair(p + i * p_stride + 2 * I);
+            for (int t = 0; t < tiles; t++) acc[i][t] = dpbf16(acc[i][t], value[t], pair);
+        }
+    }
+}
+
+static void dp_values_any(const uint16_t *p, int64_t p_stride, const uint16_t *value_tiles_at,
+                          int64_t value_tiles, int64_t base, int64_t from, int64_t to, int nr,
+                          __m512 acc[][8]) {
+    if (nr == DP_ROWS && value_tiles == 4)
+        dp_values(p, p_stride, value_tiles_at, value_tiles, base, from, to, DP_ROWS, 4, acc);
+    else if (nr == 1 && value_tiles == 4)
+        dp_values(p, p_stride, value_tiles_at, value_tiles, base, from, to, 1, 4, acc);
+    else
+        for (int i = 0; i < nr; i++)
+            for (int64_t I = from; I < to; I++) {
+                __m512i pair = broadcast_pair(p + i * p_stride + 2 * I);
+                for (int64_t t = 0; t < value_tiles; t++)
+                    acc[i][t] = dpbf16(acc[i][t], _mm512_loadu_si512(value_pair_at(
+                                                       value_tiles_at, value_tiles, I - base, t)),
+                                       pair);
+            }
+}
+
+/* attend_task's contract on VDPBF16PS (bf16 only; head_dim even, <= AMX_MAX_DIM). */
+static void attend_task_dpbf16(const uint16_t *query, const uint16_t *keys,
+                               const uint16_t *values, uint16_t *out, const int64_t *lengths,
+                               const int64_t *tree_prefix, const uint64_t *tree_visible,
+                               int64_t count, int64_t head_dim, int64_t key_stride, float scale,
+                               bf16_scratch *s) {
+    const int64_t dim_tiles = (head_dim + 31) / 32, value_tiles = (head_dim + 15) / 16;
+    const int64_t pairs = head_dim / 2;
+    int64_t longest = 0;
+    for (int64_t r = 0; r < count; r++)
+        if (lengths[r] > longest) longest = lengths[r];
+    const int64_t padded = (longest + 31) / 32 * 32;
+    vnni_pack_keys(keys, key_stride, longest, head_dim, dim_tiles, s->key_tiles);
+    vnni_pack_values(values, key_stride, NULL, 0, longest, head_dim, value_tiles,
+                     s->value_tiles);
+    int64_t own[16];
+    for (int64_t g0 = 0; g0 < count; g0 += 16) {
+        int64_t rows = count - g0 < 16 ? count - g0 : 16;
+        const int64_t *length = lengths + g0;
+        const uint16_t *q = query + g0 * head_dim;
+        int64_t group_longest = 0;
+        for (int64_t r = 0; r < rows; r++)
+            if (length[r] > group_longest) group_longest = length[r];
+        int64_t key_blocks = (group_longest + 15) / 16;
+        int64_t r0 = 0;
+        for (; r0 + DP_ROWS <= rows; r0 += DP_ROWS) {
+            int64_t kb = 0;
+            for (; kb + DP_KEY_BLOCKS <= key_blocks; kb += DP_KEY_BLOCKS)
+                dp_scores(q + r0 * head_dim, head_dim, s->key_tiles, dim_tiles, pairs, kb,
+                          DP_ROWS, DP_KEY_BLOCKS, s->scores + r0 * padded, padded);
+            for (; kb < key_blocks; kb++)
+                dp_scores(q + r0 * head_dim, head_dim, s->key_tiles, dim_tiles, pairs, kb,
+                          DP_ROWS, 1, s->scores + r0 * padded, padded);
+        }
+        for (; r0 < rows; r0++) {
+            int64_t kb = 0;
+            for (; kb + DP_KEY_BLOCKS <= key_blocks; kb += DP_KEY_BLOCKS)
+                dp_scores(q + r0 * head_dim, head_dim, s->key_tiles, dim_tiles, pairs, kb, 1,
+                          DP_KEY_BLOCKS, s->scores + r0 * padded, padded);
+            for (; kb < key_blocks; kb++)
+                dp_scores(q + r0 * head_dim, head_dim, s->key_tiles, dim_tiles, pairs, kb, 1,
+                          1, s->scores + r0 * padded, padded);
+        }
+        /* Weights per row (a tree row's scores packed first). */
+        int64_t p_length = (group_longest + 31) / 32 * 32;
+        for (int64_t r = 0; r < rows; r++) {
+            float *sc = s->scores + r * padded;
+            int64_t row_length = length[r];
+            if (tree_prefix)
+                row_length = pack_tree_scores(sc, tree_prefix[g0 + r], tree_visible[g0 + r]);
+            own[r] = (row_length + 1) / 2;
+            s->inverse[r] = bf16_weights(sc, row_length, scale, s->p + r * padded, p_length);
+        }
+        /* Values: DP_ROWS rows together over the pairs all of them have, then each row
+         * alone over the rest of its own (its chain continues in key order). A tree row
+         * reads the shared copy below its prefix's last whole pair, then its own packed
+         * copy of the keys it sees (one after the other). */
+        __m512 acc[DP_ROWS][8];
+        for (int64_t g = 0; g < rows; g += DP_ROWS) {
+            int nr = rows - g < DP_ROWS ? (int)(rows - g) : DP_ROWS;
+            for (int i = 0; i < nr; i++)
+                for (int64_t t = 0; t < value_tiles; t++) acc[i][t] = _mm512_setzero_ps();
+            const uint16_t *p = s->p + g * padded;
+            if (!tree_prefix) {
+                int64_t common = own[g];
+                for (int i = 1; i < nr; i++)
+                    if (own[g + i] < common) common = own[g + i];
+                dp_values_any(p, padded, s->value_tiles, value_tiles, 0, 0, common, nr, acc);
+                for (int i = 0; i < nr; i++)
+                    dp_values_any(p + i * padded, padded, s->value_tiles, value_tiles, 0,
+                                  common, own[g + i], 1, acc + i);
+            } else {
+                for (int i = 0; i < nr; i++) {
+                    int64_t prefix = tree_prefix[g0 + g + i];
+                    uint64_t visible = tree_visible[g0 + g + i];
+                    int64_t first = prefix / 2 * 2, packed_length = first;
+                    dp_values_any(p + i * padded, padded, s->value_tiles, value_tiles, 0, 0,
+                                  first / 2, 1, acc + i);
+                    for (int64_t j = first; j < prefix; j++) s->tail_rows[packed_length++] = j;
+                    for (int64_t t = 0; t < 64; t++)
+                        if ((visible >> t) & 1u) s->tail_rows[packed_length++] = prefix + t;
+                    vnni_pack_values(values, key_stride, s->tail_rows, first, packed_length,
+                                     head_dim, value_tiles, s->tail_tiles);
+                    dp_values_any(p + i * padded, padded, s->tail_tiles, value_tiles, first / 2,
+                                  first / 2, (packed_length + 1) / 2, 1, acc + i);
+                }
+            }
+            for (int i = 0; i < nr; i++) {
+                float lanes[8 * 16];
+                for (int64_t t = 0; t < value_tiles; t++) _mm512_storeu_ps(lanes + t * 16, acc[i][t]);
+                for (int64_t d = 0; d < head_dim; d++)
+                    out[(g0 + g + i) * head_dim + d] = f32_to_bf16(lanes[d] * s->inverse[g + i]);
+            }
+        }
+    }
+}
+
+int knapspec_attention_dpbf16_available(void) { return 1; }
+#else
+int knapspec_attention_dpbf16_available(void) { return 0; }
+#endif /* bf16 units */
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define KNAPSPEC_AMX_ATTENTION 1
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static int amx_permitted(void) {
+    static int state = 0;
+    if (state == 0)
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+static void amx_configure(void) {
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = 16;
+        config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
 }
 
 #define SCORE_STEP(T, Q)                                                   \
@@ -470,50 +744,12 @@ static void amx_values(const uint16_t *p, int64_t p_stride, const uint16_t *valu
     }
 }
 
-/* Scratch per thread for attend_task_amx, sized for max_length keys. */
-typedef struct {
-    uint16_t *key_tiles, *value_tiles, *tail_tiles, *queries, *p;
-    float *scores, *acc, *tail_acc, *inverse;
-    int64_t *tail_rows;
-} amx_scratch;
-
-static int amx_scratch_alloc(amx_scratch *s, int64_t max_length, int64_t head_dim) {
-    int64_t padded = (max_length + 31) / 32 * 32;
-    int64_t dim_tiles = (head_dim + 31) / 32, value_tiles = (head_dim + 15) / 16;
-    memset(s, 0, sizeof *s);
-    s->key_tiles = aligned_alloc(64, (size_t)(padded / 16 * dim_tiles * 1024));
-    s->value_tiles = aligned_alloc(64, (size_t)(padded / 32 * value_tiles * 1024));
-    s->tail_tiles = aligned_alloc(64, (size_t)(4 * value_tiles * 1024)); /* <= 128 keys */
-    s->queries = aligned_alloc(64, (size_t)(16 * dim_tiles * 64));
-    s->p = aligned_alloc(64, (size_t)(16 * padded * 2));
-    s->scores = aligned_alloc(64, (size_t)(16 * padded * 4));
-    s->acc = aligned_alloc(64, (size_t)(16 * value_tiles * 64));
-    s->tail_acc = aligned_alloc(64, (size_t)(16 * value_tiles * 64));
-    s->inverse = malloc(16 * sizeof(float));
-    s->tail_rows = malloc(sizeof(int64_t) * (size_t)(padded + 128));
-    return s->key_tiles && s->value_tiles && s->tail_tiles && s->queries && s->p &&
-           s->scores && s->acc && s->tail_acc && s->inverse && s->tail_rows;
-}
-
-static void amx_scratch_free(amx_scratch *s) {
-    free(s->key_tiles);
-    free(s->value_tiles);
-    free(s->tail_tiles);
-    free(s->queries);
-    free(s->p);
-    free(s->scores);
-    free(s->acc);
-    free(s->tail_acc);
-    free(s->inverse);
-    free(s->tail_rows);
-}
-
 /* attend_task's contract on the tiles (bf16 only; head_dim even, <= AMX_MAX_DIM). */
 static void attend_task_amx(const uint16_t *query, const uint16_t *keys,
                             const uint16_t *values, uint16_t *out, const int64_t *lengths,
                             const int64_t *tree_prefix, const uint64_t *tree_visible,
                             int64_t count, int64_t head_dim, int64_t key_stride, float scale,
-                            amx_scratch *s) {
+                            bf16_scratch *s) {
     const int64_t dim_tiles = (head_dim + 31) / 32, value_tiles = (head_dim + 15) / 16;
     const int64_t acc_stride = value_tiles * 16;
     int64_t longest = 0;
@@ -522,8 +758,8 @@ static void attend_task_amx(const uint16_t *query, const uint16_t *keys,
     const int64_t padded = (longest + 31) / 32 * 32; /* P's and the scores' row length */
     amx_configure();
     const uint16_t *key_tiles = s->key_tiles;
-    amx_pack_keys(keys, key_stride, longest, head_dim, dim_tiles, s->key_tiles);
-    amx_pack_values(values, key_stride, NULL, 0, longest, head_dim, value_tiles,
+    vnni_pack_keys(keys, key_stride, longest, head_dim, dim_tiles, s->key_tiles);
+    vnni_pack_values(values, key_stride, NULL, 0, longest, head_dim, value_tiles,
                     s->value_tiles);
     for (int64_t g0 = 0; g0 < count; g0 += 16) {
         int64_t rows = count - g0 < 16 ? count - g0 : 16;
@@ -567,34 +803,7 @@ static void attend_task_amx(const uint16_t *query, const uint16_t *keys,
             int64_t row_length = length[r];
             if (tree_prefix)
                 row_length = pack_tree_scores(sc, tree_prefix[g0 + r], tree_visible[g0 + r]);
-            int64_t vectors = (row_length + 15) / 16;
-            for (int64_t j = row_length; j < vectors * 16; j++) sc[j] = -INFINITY;
-            /* scaled scores and their maximum (max is exact in any order) */
-            const __m512 scale_lanes = _mm512_set1_ps(scale);
-            __m512 top = _mm512_set1_ps(-INFINITY);
-            for (int64_t b = 0; b < vectors; b++) {
-                __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sc + b * 16), scale_lanes);
-                _mm512_storeu_ps(sc + b * 16, v);
-                top = _mm512_max_ps(top, v);
-            }
-            const float best = _mm512_reduce_max_ps(top);
-            __m512 lanes = _mm512_setzero_ps();
-            for (int64_t b = 0; b < vectors; b++) {
-                vfloat v;
-                memcpy(&v, sc + b * 16, sizeof v);
-                v = exp_nonpositive(v - best);
-                __m256bh half = _mm512_cvtneps_pbh((__m512)v);
-                _mm256_storeu_si256((__m256i *)(p + b * 16), (__m256i)half);
-                /* the normaliser sums the weights as P V will use them (rounded) */
-                lanes = _mm512_add_ps(lanes, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                                 _mm512_cvtepu16_epi32((__m256i)half), 16)));
-            }
-            for (int64_t j = vectors * 16; j < group_blocks * 32; j++) p[j] = 0;
-            float part[16];
-            _mm512_storeu_ps(part, lanes);
-            for (int width = 8; width > 0; width /= 2)
-                for (int l = 0; l < width; l++) part[l] += part[l + width];
-            s->inverse[r] = part[0] > 0.0f ? 1.0f / part[0] : 0.0f;
+            s->inverse[r] = bf16_weights(sc, row_length, scale, p, group_blocks * 32);
         }
         /* Values: blocks every row reads from the shared copy; a tree row's later blocks
          * from its own packed copy (the keys it sees, one after the other). */
@@ -617,7 +826,7 @@ static void attend_task_amx(const uint16_t *query, const uint16_t *keys,
                     int64_t here = blocks - b < 4 ? blocks - b : 4;
                     int64_t from = first + b * 32;
                     int64_t to = from + here * 32 < packed_length ? from + here * 32 : packed_length;
-                    amx_pack_values(values, key_stride, s->tail_rows, from, to, head_dim,
+                    vnni_pack_values(values, key_stride, s->tail_rows, from, to, head_dim,
                                     value_tiles, s->tail_tiles);
                     /* all 16 rows ride along; only row r's is kept */
                     float tile_rows[16 * AMX_MAX_DIM];
@@ -650,20 +859,27 @@ int knapspec_attention_amx_available(void) { return 0; }
  * visibility described at the top for tree_period query positions, row r using entry
  * r % tree_period (the folded rows of a K/V head are its query heads' positions in turn);
  * lengths is then unused (NULL is fine). Work is split into tasks of at most chunk rows.
- * Returns 0, 2 when memory could not be had, or 3 when a tree row sees no key or a key
- * past max_length. */
+ * unit: UNIT_VECTOR, UNIT_AMX or UNIT_DPBF16 (the caller picks one per process).
+ * Returns 0, 2 when memory could not be had, 3 when a tree row sees no key or a key past
+ * max_length, or 4 when the unit cannot serve this call here (fp32, an odd head size or
+ * one over AMX_MAX_DIM, a build or an OS without it). */
 int knapspec_attend_tree(const void *query, const void *keys, const void *values, void *out,
                          const int64_t *lengths, const int64_t *tree_prefix,
                          const uint64_t *tree_visible, int64_t tree_period, int dtype,
                          int64_t kv_heads, int64_t rows_per_kv_head, int64_t head_dim,
                          int64_t key_head_stride, int64_t key_stride, int64_t max_length,
-                         int64_t chunk, float scale, int threads, int use_amx) {
-#ifdef KNAPSPEC_AMX_ATTENTION
-    if (use_amx && (dtype != DTYPE_BF16 || head_dim % 2 || head_dim > AMX_MAX_DIM ||
-                    !amx_permitted()))
+                         int64_t chunk, float scale, int threads, int unit) {
+    if (unit < UNIT_VECTOR || unit > UNIT_DPBF16) return 4;
+#ifdef KNAPSPEC_BF16_UNITS
+    if (unit != UNIT_VECTOR && (dtype != DTYPE_BF16 || head_dim % 2 || head_dim > AMX_MAX_DIM))
         return 4;
 #else
-    if (use_amx) return 4;
+    if (unit != UNIT_VECTOR) return 4;
+#endif
+#ifdef KNAPSPEC_AMX_ATTENTION
+    if (unit == UNIT_AMX && !amx_permitted()) return 4;
+#else
+    if (unit == UNIT_AMX) return 4;
 #endif
     if (chunk < 1) chunk = 1;
     if (chunk > rows_per_kv_head) chunk = rows_per_kv_head;
@@ -693,13 +909,14 @@ int knapspec_attend_tree(const void *query, const void *keys, const void *values
         int64_t *spans = malloc(sizeof(int64_t) * (size_t)(2 * chunk));
         uint64_t *masks = malloc(sizeof(uint64_t) * (size_t)chunk);
         int64_t *prefixes = spans ? spans + chunk : NULL;
-#ifdef KNAPSPEC_AMX_ATTENTION
-        amx_scratch amx;
-        int amx_ready = use_amx ? amx_scratch_alloc(&amx, max_length, head_dim) : 1;
+#ifdef KNAPSPEC_BF16_UNITS
+        bf16_scratch units;
+        int units_ready =
+            unit != UNIT_VECTOR ? bf16_scratch_alloc(&units, max_length, head_dim) : 1;
 #else
-        int amx_ready = 1;
+        int units_ready = 1;
 #endif
-        if (!amx_ready || !acc || !row || !qt || !key_rows || !value_rows || !scores || !packed || !spans ||
+        if (!units_ready || !acc || !row || !qt || !key_rows || !value_rows || !scores || !packed || !spans ||
             !masks) {
 #pragma omp atomic write
             failed = 2;
@@ -720,14 +937,27 @@ int knapspec_attend_tree(const void *query, const void *keys, const void *values
                         spans[r] = tree_span(prefixes[r], masks[r]);
                     }
 #ifdef KNAPSPEC_AMX_ATTENTION
-                if (use_amx) {
+                if (unit == UNIT_AMX) {
                     attend_task_amx((const uint16_t *)query + offset,
                                     (const uint16_t *)keys + kv * key_head_stride,
                                     (const uint16_t *)values + kv * key_head_stride,
                                     (uint16_t *)out + offset,
                                     tree_prefix ? spans : lengths + first_row,
                                     tree_prefix ? prefixes : NULL, tree_prefix ? masks : NULL,
-                                    count, head_dim, key_stride, scale, &amx);
+                                    count, head_dim, key_stride, scale, &units);
+                    continue;
+                }
+#endif
+#ifdef KNAPSPEC_BF16_UNITS
+                if (unit == UNIT_DPBF16) {
+                    attend_task_dpbf16((const uint16_t *)query + offset,
+                                       (const uint16_t *)keys + kv * key_head_stride,
+                                       (const uint16_t *)values + kv * key_head_stride,
+                                       (uint16_t *)out + offset,
+                                       tree_prefix ? spans : lengths + first_row,
+                                       tree_prefix ? prefixes : NULL,
+                                       tree_prefix ? masks : NULL, count, head_dim, key_stride,
+                                       scale, &units);
                     continue;
                 }
 #endif
@@ -741,8 +971,8 @@ int knapspec_attend_tree(const void *query, const void *keys, const void *values
                             value_rows, padded_length);
             }
         }
-#ifdef KNAPSPEC_AMX_ATTENTION
-        if (use_amx) amx_scratch_free(&amx);
+#ifdef KNAPSPEC_BF16_UNITS
+        if (unit != UNIT_VECTOR) bf16_scratch_free(&units);
 #endif
         free(acc);
         free(row);
