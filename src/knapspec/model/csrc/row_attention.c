@@ -665,6 +665,11 @@ static void attend_task_dpbf16(const uint16_t *query, const uint16_t *keys,
     }
 }
 
+/* attend_task_dpbf16 and attend_task_amx: one contract, one signature. */
+typedef void (*bf16_task)(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *,
+                          const int64_t *, const int64_t *, const uint64_t *, int64_t, int64_t,
+                          int64_t, float, bf16_scratch *);
+
 int knapspec_attention_dpbf16_available(void) { return 1; }
 #else
 int knapspec_attention_dpbf16_available(void) { return 0; }
@@ -936,28 +941,17 @@ int knapspec_attend_tree(const void *query, const void *keys, const void *values
                         masks[r] = tree_visible[entry];
                         spans[r] = tree_span(prefixes[r], masks[r]);
                     }
-#ifdef KNAPSPEC_AMX_ATTENTION
-                if (unit == UNIT_AMX) {
-                    attend_task_amx((const uint16_t *)query + offset,
-                                    (const uint16_t *)keys + kv * key_head_stride,
-                                    (const uint16_t *)values + kv * key_head_stride,
-                                    (uint16_t *)out + offset,
-                                    tree_prefix ? spans : lengths + first_row,
-                                    tree_prefix ? prefixes : NULL, tree_prefix ? masks : NULL,
-                                    count, head_dim, key_stride, scale, &units);
-                    continue;
-                }
-#endif
 #ifdef KNAPSPEC_BF16_UNITS
-                if (unit == UNIT_DPBF16) {
-                    attend_task_dpbf16((const uint16_t *)query + offset,
-                                       (const uint16_t *)keys + kv * key_head_stride,
-                                       (const uint16_t *)values + kv * key_head_stride,
-                                       (uint16_t *)out + offset,
-                                       tree_prefix ? spans : lengths + first_row,
-                                       tree_prefix ? prefixes : NULL,
-                                       tree_prefix ? masks : NULL, count, head_dim, key_stride,
-                                       scale, &units);
+                if (unit != UNIT_VECTOR) {
+                    bf16_task task = attend_task_dpbf16;
+#ifdef KNAPSPEC_AMX_ATTENTION
+                    if (unit == UNIT_AMX) task = attend_task_amx;
+#endif
+                    task((const uint16_t *)query + offset,
+                         (const uint16_t *)keys + kv * key_head_stride,
+                         (const uint16_t *)values + kv * key_head_stride, (uint16_t *)out + offset,
+                         tree_prefix ? spans : lengths + first_row, tree_prefix ? prefixes : NULL,
+                         tree_prefix ? masks : NULL, count, head_dim, key_stride, scale, &units);
                     continue;
                 }
 #endif
