@@ -143,12 +143,6 @@ def bf16_attention_unit() -> str:
     return _bf16_unit
 
 
-def amx_attention_enabled() -> bool:
-    """Whether bf16 attention runs on the AMX tiles in this process
-    (:func:`bf16_attention_unit`)."""
-    return bf16_attention_unit() == "amx-tiles"
-
-
 def _unit(dtype: torch.dtype, head_dim: int) -> int:
     """The kernel's ``unit`` argument for one call: the process's bf16 path where it serves
     this call (bf16, an even head size up to ``AMX_MAX_HEAD_DIM``), else the vector path."""
