@@ -82,6 +82,8 @@ def method_spec(name: str, model: str, args: argparse.Namespace, log_dir: Path) 
             "knapspec-fixed": "fixed",
             "knapspec-off": "off",
         }[name]
+        if name != "knapspec":  # the ablations must not teach the cached step costs
+            env["KNAPSPEC_VLLM_CACHE"] = "0"
     else:
         raise SystemExit(
             f"unknown method {name!r}: plain, ngram<k>, knapspec, knapspec-fixed, knapspec-off"

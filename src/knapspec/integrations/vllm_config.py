@@ -51,7 +51,8 @@ class VllmProposerConfig:
             for this model, machine and vLLM version, measured online and written back.
         cache: whether the learned step costs are written to the cache (``profile`` is
             never overwritten).
-        smoothing: weight of a new step time in its width's average, in (0, 1].
+        window: how many recent step times of a width its cost is the median of (>= 1;
+            the median, not an average: step times come with bursts of 2-10x).
         prior_slope: before a width ``N`` is measured, ``T(N) = T(1)·(1 + slope·(N - 1))``
             (scaled from the nearest measured width); >= 0. Small values make the
             proposer try drafting, then price it by what it measured.
@@ -66,7 +67,7 @@ class VllmProposerConfig:
     pricing: str = attrs.field(default="tpt")
     profile: str | None = None
     cache: bool = True
-    smoothing: float = attrs.field(default=0.2, validator=interval(0.0, 1.0, low_open=True))
+    window: int = attrs.field(default=16, validator=at_least(1))
     prior_slope: float = attrs.field(default=0.05, validator=interval(0.0, math.inf))
     trace: str | None = None
 

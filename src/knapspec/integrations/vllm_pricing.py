@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import re
+from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,44 +40,49 @@ CURVE_SCHEMA = 1
 class StepCostCurve:
     """Seconds of one vLLM engine step by the number ``N`` of tokens it runs, learned online.
 
-    Measured widths hold an exponential average of the wall time between two proposer
-    calls (a whole step). A width not measured yet is priced from its nearest measured
+    Each measured width keeps its last ``window`` wall times between two proposer calls (a
+    whole step) and is priced at their median: the times are noisy in bursts (a step that
+    also streamed a finished request, a garbage collection, a busy neighbour: 2-10x the
+    usual time now and then), and an average of few samples is led by one such burst
+    while the median is not. A width not measured yet is priced from its nearest measured
     neighbours (linear between two, scaled by the prior's shape outside them), and before
     any measurement by the prior ``1 + slope·(N - 1)`` alone (units do not matter to the
     arg-max). Predictions are made non-decreasing in ``N``: a wider step never costs less.
 
     Attributes:
         key: where the timings are valid (model, dtype, machine, threads, vLLM version).
-        seconds: ``N -> smoothed seconds``.
+        seconds: ``N -> seconds`` (the median of the width's recent samples).
         counts: ``N -> steps observed``.
-        smoothing: weight of a new observation.
+        window: how many recent samples of a width its median is taken over.
         prior_slope: the prior's relative cost of each extra token.
     """
 
     key: dict[str, Any] = attrs.field(factory=dict)
     seconds: dict[int, float] = attrs.field(factory=dict)
     counts: dict[int, int] = attrs.field(factory=dict)
-    smoothing: float = 0.2
+    window: int = 16
     prior_slope: float = 0.05
+    #: ``N -> the last `window` samples`` (a loaded profile's width starts from its value).
+    recent: dict[int, deque[float]] = attrs.field(factory=dict, repr=False, eq=False)
 
     def prior(self, tokens: int) -> float:
         return 1.0 + self.prior_slope * (tokens - 1)
 
     def observe(self, tokens: int, seconds: float) -> bool:
         """Learn one step of ``tokens`` tokens that took ``seconds``; False if discarded
-        (a stall: more than 4x the width's settled average, or not a finite positive time)."""
+        (not a finite positive time, or a stall: over 4x the width's settled median)."""
         if tokens < 1 or not math.isfinite(seconds) or seconds <= 0:
             return False
         count = self.counts.get(tokens, 0)
-        if count == 0:
-            self.seconds[tokens] = seconds
-        else:
-            old = self.seconds[tokens]
-            if count >= 3 and seconds > 4.0 * old:
-                return False  # an idle gap or a pause, not this width's cost
-            # The first few samples average evenly, then the average follows drift.
-            weight = max(self.smoothing, 1.0 / (count + 1))
-            self.seconds[tokens] = old + weight * (seconds - old)
+        if count >= 3 and seconds > 4.0 * self.seconds[tokens]:
+            return False  # an idle gap or a pause, not this width's cost
+        samples = self.recent.get(tokens)
+        if samples is None:
+            samples = self.recent[tokens] = deque(maxlen=self.window)
+            if tokens in self.seconds:  # from a profile: its value is one sample
+                samples.append(self.seconds[tokens])
+        samples.append(seconds)
+        self.seconds[tokens] = float(np.median(samples))
         self.counts[tokens] = count + 1
         return True
 
@@ -96,7 +102,8 @@ class StepCostCurve:
         blocks: list[list[float]] = []  # [weighted sum, weight, first index]
         widths = sorted(self.seconds)
         for i, n in enumerate(widths):
-            weight = float(self.counts.get(n, 1))
+            # A width's median is worth at most its window of samples.
+            weight = float(min(self.counts.get(n, 1), self.window))
             blocks.append([self.seconds[n] * weight, weight, float(i)])
             while len(blocks) > 1 and (
                 blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]
@@ -137,9 +144,7 @@ class StepCostCurve:
         )
 
     @classmethod
-    def from_json(
-        cls, text: str, *, smoothing: float = 0.2, prior_slope: float = 0.05
-    ) -> StepCostCurve:
+    def from_json(cls, text: str, *, window: int = 16, prior_slope: float = 0.05) -> StepCostCurve:
         """Parse :meth:`to_json`'s text.
 
         Raises:
@@ -158,7 +163,7 @@ class StepCostCurve:
             key=dict(data.get("key", {})),
             seconds=seconds,
             counts={n: counts[n] for n in seconds},
-            smoothing=smoothing,
+            window=window,
             prior_slope=prior_slope,
         )
 
@@ -260,9 +265,7 @@ def load_curve(
     """
 
     def parse(text: str) -> StepCostCurve:
-        return StepCostCurve.from_json(
-            text, smoothing=config.smoothing, prior_slope=config.prior_slope
-        )
+        return StepCostCurve.from_json(text, window=config.window, prior_slope=config.prior_slope)
 
     if config.profile:
         path = Path(config.profile).expanduser()
@@ -293,7 +296,7 @@ def load_curve(
     cached = cachefiles.read(path, parse, "vLLM step-cost profile")
     if cached is not None and cached.key == key:
         return cached, writable
-    fresh = StepCostCurve(key=key, smoothing=config.smoothing, prior_slope=config.prior_slope)
+    fresh = StepCostCurve(key=key, window=config.window, prior_slope=config.prior_slope)
     return fresh, writable
 
 
