@@ -189,6 +189,22 @@ from knapspec.cli import main  # must not import torch
 raise SystemExit(main(sys.argv[1:]))
 """
 
+# What pybind11 does when a Ctrl-C lands while an extension module initialises (seen in CI:
+# scipy's HiGHS, imported by sklearn): the interrupt comes back as an ImportError from it.
+_INTERRUPT_IN_AN_EXTENSION_INIT = """
+import sys
+class InterruptInit:
+    def find_spec(self, name, path=None, target=None):
+        if name == "sklearn":
+            try:
+                raise KeyboardInterrupt
+            except KeyboardInterrupt as interrupt:
+                raise ImportError("initialization failed") from interrupt
+sys.meta_path.insert(0, InterruptInit())
+from knapspec.cli import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+
 
 def _env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
@@ -209,6 +225,32 @@ def test_ctrl_c_during_the_heavy_imports_prints_one_line(model_dir: Path) -> Non
             continue
         assert result.returncode == 130, result.stderr
         assert result.stderr == "knapspec: error: interrupted\n", result.stderr
+
+
+def test_ctrl_c_inside_an_extensions_initialisation_prints_one_line(model_dir: Path) -> None:
+    """The interrupt surfaces as an ImportError caused by it; a real ImportError does not."""
+    args = ["generate", "--model", str(model_dir), "--prompt", "x"]
+    result = subprocess.run(
+        [sys.executable, "-c", _INTERRUPT_IN_AN_EXTENSION_INIT, *args],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
+    assert result.returncode == 130, result.stderr
+    assert result.stderr == "knapspec: error: interrupted\n", result.stderr
+    broken = _INTERRUPT_IN_AN_EXTENSION_INIT.replace(
+        'raise ImportError("initialization failed") from interrupt',
+        'raise ImportError("a broken install")',
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", broken, *args],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
+    assert result.returncode == 1 and "ImportError: a broken install" in result.stderr
 
 
 # Not earlier than 1.5 s: before knapspec's main runs, the interpreter's own start-up

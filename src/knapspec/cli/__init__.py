@@ -40,6 +40,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # anywhere, the heavy imports included
         _error("interrupted")
         return 130
+    except ImportError as error:
+        # A Ctrl-C while a compiled extension initialises (scipy's HiGHS under sklearn,
+        # say) comes back from pybind11 as ``ImportError("initialization failed")`` raised
+        # from the KeyboardInterrupt: still the user's Ctrl-C, not a broken install.
+        if not _caused_by_interrupt(error):
+            raise
+        _error("interrupted")
+        return 130
+
+
+def _caused_by_interrupt(error: BaseException) -> bool:
+    """Whether a KeyboardInterrupt is among ``error``'s explicit causes (``raise ... from``)."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__
+    return False
 
 
 def _main(argv: Sequence[str] | None) -> int:
