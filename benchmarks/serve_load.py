@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
 from knapspec.bench.env import git_commit
 from knapspec.model.machine import machine_description
@@ -183,6 +184,23 @@ class Server:
         except OSError:
             pass
         return float("nan")
+
+    def model_seconds(self) -> dict[str, float]:
+        """knapspec's busy time so far from its /metrics: the batched rounds' seconds and
+        count, the prefills' seconds (empty for a server without them, vLLM)."""
+        wanted = {
+            "knapspec_step_seconds_sum": "step_s",
+            "knapspec_step_seconds_count": "steps",
+            "knapspec_prefill_seconds_sum": "prefill_s",
+        }
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as answer:
+            text = answer.read().decode()
+        return {
+            wanted[sample.name]: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name in wanted
+        }
 
     def stop(self) -> int | None:
         if self.process.poll() is None:
@@ -340,11 +358,13 @@ async def _passes(
                     return await _one(client, server.model, question, args.max_tokens, sampling)
 
             rss_before = server.rss_mib()
+            busy_before = server.model_seconds()
             started = time.perf_counter()
             results = await asyncio.gather(
                 *(bounded(i, q, mode, gate) for i, q in enumerate(questions))
             )
             wall = time.perf_counter() - started
+            busy = {k: v - busy_before[k] for k, v in server.model_seconds().items()}
             done = [r for r in results if r["ok"]]
             texts = [r.get("text") for r in results]
             if alone is None:
@@ -372,12 +392,30 @@ async def _passes(
                 "differ_from_alone": differ,
                 "reference": "C=1 answers of the same system and mode",
                 "server_rss_mib": [rss_before, server.rss_mib()],
+                # Where the server's wall time went: batched rounds, prefills, the rest
+                # (HTTP, detokenising, scheduling, waiting for clients); knapspec only.
+                **(
+                    {
+                        "server_step_s": busy["step_s"],
+                        "server_steps": int(busy["steps"]),
+                        "server_prefill_s": busy["prefill_s"],
+                        "server_other_s": wall - busy["step_s"] - busy["prefill_s"],
+                    }
+                    if busy
+                    else {}
+                ),
             }
             _write(output, record)
             print(
                 f"{system:12s} {mode:8s} C={concurrency:<3d} {record['output_tokens_per_s']:7.1f} "
                 f"tok/s  TTFT p50 {record['ttft_p50_s']}  differ {differ}/{len(questions)}  "
-                f"failures {record['failures']}",
+                f"failures {record['failures']}"
+                + (
+                    f"  rounds {busy['step_s']:.1f} s / {int(busy['steps'])}, "
+                    f"prefills {busy['prefill_s']:.1f} s of {wall:.1f} s"
+                    if busy
+                    else ""
+                ),
                 file=sys.stderr,
             )
 

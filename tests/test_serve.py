@@ -101,10 +101,13 @@ def test_models_health_and_metrics(server: Server, client: openai.OpenAI) -> Non
         "knapspec_accepted_tokens_per_step_bucket",
         "knapspec_time_to_first_token_seconds_bucket",
         "knapspec_step_seconds_bucket",
+        "knapspec_prefill_seconds_bucket",
     ):
         with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as answer:
             assert name in answer.read().decode(), name
     assert _metric(server, "knapspec_generation_tokens_total") >= 3
+    assert _metric(server, "knapspec_prefill_seconds_count") >= 1
+    assert _metric(server, "knapspec_prefill_seconds_sum") > 0
 
 
 def test_completion_and_chat_sync_and_streamed(client: openai.OpenAI) -> None:

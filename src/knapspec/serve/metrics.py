@@ -69,6 +69,13 @@ class ServerMetrics:
             buckets=_STEP_BUCKETS,
             registry=registry,
         )
+        self.prefill_time = Histogram(
+            "knapspec_prefill_seconds",
+            "One admitted request's prefill (prefix-cache lookup, forward, first token); "
+            "the running rows wait meanwhile",
+            buckets=_STEP_BUCKETS,
+            registry=registry,
+        )
         self.request_time = Histogram(
             "knapspec_request_seconds",
             "From a request's arrival to its last token",

@@ -311,6 +311,7 @@ class Scheduler:
         request.text = TextStream(backend.tokenizer, request.stop)
         with self._cond:
             self._running[update.lane] = request
+        self.metrics.prefill_time.observe(update.stats.prefill_time_s)
         self.metrics.prompt_tokens.inc(update.stats.prompt_tokens)
         self.metrics.cached_prompt_tokens.inc(update.stats.cached_prompt_tokens)
         self.metrics.batch_size.set(len(self._running))
