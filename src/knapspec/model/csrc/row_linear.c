@@ -11,9 +11,13 @@
  * so a one-token decode step and a k-token verification agree bitwise by construction
  * (what BLAS does not promise: it picks its blocking, and so its summation order, from M).
  *
- * Speed: outputs are taken BLOCK at a time; each block's weight rows (BLOCK x K) are read
- * from memory once and stay in the L1/L2 cache while every input row passes over them, so a
- * product of a few rows costs about what one row costs (the weight stream dominates).
+ * Speed: each thread takes a block of outputs and walks it MAX_COLS weight rows at a time;
+ * every input row passes over those rows while they sit in L1, so the weight is read from
+ * memory once and a product of a few rows costs little more than one row (the weight
+ * stream dominates). Each tile prefetches the weight rows PREFETCH_ROWS ahead, so the
+ * stream from memory runs alongside the arithmetic instead of between it (measured on a
+ * 2-core AMD EPYC Zen 4, bfloat16, SmolLM2's 30 layers of products with weights cold:
+ * 24.0 -> 18.2 ms at 16 rows, 18.4 -> 13.8 at 8, 15.7 -> 13.6 at 4, level at 1).
  * Threads split the outputs, never a dot product. Where the compiler targets AVX512-BF16,
  * bfloat16 products run on VDPBF16PS (two products per lane and instruction); elsewhere
  * bfloat16 is widened to float32 and multiplied with FMA. Either way one build runs one
@@ -66,6 +70,8 @@ static inline vreg vload_(const float *p) { vreg v; memcpy(&v, p, sizeof v); ret
 /* Output tile: up to 4 rows by up to 8 outputs, one accumulator per output element. */
 #define MAX_ROWS 4
 #define MAX_COLS 8
+/* Weight rows ahead that a tile prefetches: the next column group's. */
+#define PREFETCH_ROWS MAX_COLS
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 
@@ -120,6 +126,7 @@ static inline __attribute__((always_inline)) void tile_f32(const float *x, int64
         vreg xv[MAX_ROWS];
         for (int r = 0; r < rows; r++) xv[r] = VLOAD(x + r * x_stride + i);
         for (int c = 0; c < cols; c++) {
+            _mm_prefetch((const char *)(w + (c + PREFETCH_ROWS) * k + i), _MM_HINT_T0);
             vreg wv = VLOAD(w + c * k + i);
             for (int r = 0; r < rows; r++) acc[r][c] = VFMA(acc[r][c], xv[r], wv);
         }
@@ -142,6 +149,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x,
         for (int r = 0; r < rows; r++)
             xv[r] = (__m512bh)_mm512_loadu_si512((const void *)(x + r * x_stride + i));
         for (int c = 0; c < cols; c++) {
+            _mm_prefetch((const char *)(w + (c + PREFETCH_ROWS) * k + i), _MM_HINT_T0);
             __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w + c * k + i));
             for (int r = 0; r < rows; r++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv[r], wv);
         }
@@ -156,6 +164,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x,
         vreg xv[MAX_ROWS];
         for (int r = 0; r < rows; r++) xv[r] = load_bf16_widened(x + r * x_stride + i);
         for (int c = 0; c < cols; c++) {
+            _mm_prefetch((const char *)(w + (c + PREFETCH_ROWS) * k + i), _MM_HINT_T0);
             vreg wv = load_bf16_widened(w + c * k + i);
             for (int r = 0; r < rows; r++) acc[r][c] = VFMA(acc[r][c], xv[r], wv);
         }
@@ -185,7 +194,27 @@ static void run_tile(const void *x, int64_t x_stride, const void *w, int64_t k, 
     }
 }
 
-/* Bytes of weight a thread keeps hot while every row passes over it. */
+/* sums (rows x cols) + bias into out at (m, n), rounded to out's dtype. */
+static inline void store_tile(void *out, int64_t out_stride, const void *bias, int64_t m,
+                              int64_t n, int rows, int cols, int dtype,
+                              float sums[MAX_ROWS][MAX_COLS]) {
+    for (int r = 0; r < rows; r++) {
+        if (dtype == DTYPE_F32) {
+            float *target = (float *)out + (m + r) * out_stride + n;
+            for (int c = 0; c < cols; c++)
+                target[c] = bias ? sums[r][c] + ((const float *)bias)[n + c] : sums[r][c];
+        } else {
+            uint16_t *target = (uint16_t *)out + (m + r) * out_stride + n;
+            for (int c = 0; c < cols; c++) {
+                float value = sums[r][c];
+                if (bias) value += bf16_to_f32(((const uint16_t *)bias)[n + c]);
+                target[c] = f32_to_bf16(value);
+            }
+        }
+    }
+}
+
+/* Bytes of output weight rows per thread block (the split changes no arithmetic). */
 #define BLOCK_BYTES (192 * 1024)
 
 /* The k a row must be padded to (with zeros, which change no sum but a zero's sign). */
@@ -219,33 +248,26 @@ int knapspec_row_linear(const void *x, const void *w, const void *bias, void *ou
     for (int64_t b = 0; b < blocks; b++) {
         int64_t first = b * block;
         int64_t last = first + block < n_out ? first + block : n_out;
-        for (int64_t m = 0; m < rows;) {
-            int tile_rows = rows - m >= 4 ? 4 : (int)(rows - m);
-            if (tile_rows == 3) tile_rows = 2; /* 3 rows as 2 + 1: same arithmetic per row */
-            int width = tile_rows >= 4 ? 4 : MAX_COLS;
-            const unsigned char *x_rows = (const unsigned char *)x + m * x_stride * element;
-            for (int64_t n = first; n < last; n += width) {
-                int cols = (int)(last - n < width ? last - n : width);
-                float sums[MAX_ROWS][MAX_COLS];
-                run_tile(x_rows, x_stride, (const unsigned char *)w + n * k * element, k,
-                         tile_rows, cols, dtype, sums);
-                for (int r = 0; r < tile_rows; r++) {
-                    if (dtype == DTYPE_F32) {
-                        float *target = (float *)out + (m + r) * out_stride + n;
-                        for (int c = 0; c < cols; c++)
-                            target[c] = bias ? sums[r][c] + ((const float *)bias)[n + c]
-                                             : sums[r][c];
-                    } else {
-                        uint16_t *target = (uint16_t *)out + (m + r) * out_stride + n;
-                        for (int c = 0; c < cols; c++) {
-                            float value = sums[r][c];
-                            if (bias) value += bf16_to_f32(((const uint16_t *)bias)[n + c]);
-                            target[c] = f32_to_bf16(value);
-                        }
-                    }
+        /* MAX_COLS weight rows at a time, every input row passing over them while they
+         * sit in L1: the weight streams from memory once, alongside the arithmetic
+         * (passing all of a block's weight per row tile left the memory idle while the
+         * later tiles computed). The tiles and so each element's arithmetic are as ever. */
+        for (int64_t n = first; n < last; n += MAX_COLS) {
+            for (int64_t m = 0; m < rows;) {
+                int tile_rows = rows - m >= 4 ? 4 : (int)(rows - m);
+                if (tile_rows == 3) tile_rows = 2; /* 3 rows as 2 + 1: same arithmetic per row */
+                int width = tile_rows >= 4 ? 4 : MAX_COLS;
+                const unsigned char *x_rows = (const unsigned char *)x + m * x_stride * element;
+                int64_t group_end = n + MAX_COLS < last ? n + MAX_COLS : last;
+                for (int64_t c0 = n; c0 < group_end; c0 += width) {
+                    int cols = (int)(group_end - c0 < width ? group_end - c0 : width);
+                    float sums[MAX_ROWS][MAX_COLS];
+                    run_tile(x_rows, x_stride, (const unsigned char *)w + c0 * k * element, k,
+                             tile_rows, cols, dtype, sums);
+                    store_tile(out, out_stride, bias, m, c0, tile_rows, cols, dtype, sums);
                 }
+                m += tile_rows;
             }
-            m += tile_rows;
         }
     }
     return 0;
