@@ -227,9 +227,7 @@ def _exact_attention_together(
             offset += width
     else:
         padded = query[:, :, :q_len]
-    lengths = torch.ones(rows, q_len, dtype=torch.int64)
-    for row, (start, width) in enumerate(zip(starts, widths, strict=True)):
-        lengths[row, :width] = torch.arange(start + 1, start + width + 1)
+    lengths = _query_lengths(starts, widths, q_len)
     end = max(start + width for start, width in zip(starts, widths, strict=True))
     out = attend_rows_batched(
         padded,
@@ -254,6 +252,16 @@ def _exact_attention_together(
             [result, result.new_zeros(rows, query.shape[2] - q_len, result.shape[2])], 1
         )
     return result
+
+
+def _query_lengths(starts: Sequence[int], widths: Sequence[int], q_len: int) -> torch.Tensor:
+    """``(rows, q_len)`` int64: query ``i`` of row ``r`` sees ``starts[r] + i + 1`` keys;
+    padding queries (``i >= widths[r]``) see one. Built in a few tensor ops: a loop of one
+    ``arange`` per row, run for each of 30 layers, had cost 2 ms of a 16-row round."""
+    start = torch.tensor(starts, dtype=torch.int64)[:, None]
+    width = torch.tensor(widths, dtype=torch.int64)[:, None]
+    offsets = torch.arange(q_len, dtype=torch.int64)[None, :]
+    return torch.where(offsets < width, start + offsets + 1, 1)
 
 
 def _padded_attention(
