@@ -210,16 +210,21 @@ def _env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
 
 
+def _run_script(script: str, args: list[str]) -> subprocess.CompletedProcess[str]:
+    """``python -c script args`` in a fresh interpreter, output captured."""
+    return subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
+
+
 def test_ctrl_c_during_the_heavy_imports_prints_one_line(model_dir: Path) -> None:
     """Deterministic: the Ctrl-C arrives exactly when torch starts to import."""
     for args in (["generate", "--model", str(model_dir), "--prompt", "x"], ["plan", "--help"]):
-        result = subprocess.run(
-            [sys.executable, "-c", _INTERRUPT_AT_TORCH_IMPORT, *args],
-            capture_output=True,
-            text=True,
-            env=_env(),
-            timeout=120,
-        )
+        result = _run_script(_INTERRUPT_AT_TORCH_IMPORT, args)
         if args[-1] == "--help":  # help needs no heavy import at all
             assert result.returncode == 0 and "usage: knapspec plan" in result.stdout
             continue
@@ -230,26 +235,14 @@ def test_ctrl_c_during_the_heavy_imports_prints_one_line(model_dir: Path) -> Non
 def test_ctrl_c_inside_an_extensions_initialisation_prints_one_line(model_dir: Path) -> None:
     """The interrupt surfaces as an ImportError caused by it; a real ImportError does not."""
     args = ["generate", "--model", str(model_dir), "--prompt", "x"]
-    result = subprocess.run(
-        [sys.executable, "-c", _INTERRUPT_IN_AN_EXTENSION_INIT, *args],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=120,
-    )
+    result = _run_script(_INTERRUPT_IN_AN_EXTENSION_INIT, args)
     assert result.returncode == 130, result.stderr
     assert result.stderr == "knapspec: error: interrupted\n", result.stderr
     broken = _INTERRUPT_IN_AN_EXTENSION_INIT.replace(
         'raise ImportError("initialization failed") from interrupt',
         'raise ImportError("a broken install")',
     )
-    result = subprocess.run(
-        [sys.executable, "-c", broken, *args],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=120,
-    )
+    result = _run_script(broken, args)
     assert result.returncode == 1 and "ImportError: a broken install" in result.stderr
 
 
