@@ -23,7 +23,12 @@ RSS in the last quarter against the largest after warm-up; the goal is <= 5 %).
 Servers are loopback only, and every run is bounded in requests and time. Time it alone
 on the machine: it measures wall time.
 
-    python benchmarks/serve_load.py [--concurrency 1 4 16] [--requests 16]
+``--per-client N`` makes each pass at C clients ask at least ``N × C`` questions (the
+``--requests`` ones first, then others from the file): a steady state in which a finished
+request's slot takes the next, instead of one burst that ends with its slowest request;
+only the first ``--requests`` answers are compared with the C = 1 ones.
+
+    python benchmarks/serve_load.py [--concurrency 1 4 16] [--requests 16] [--per-client 4]
         [--max-tokens 128] [--dtype float32] [--threads 2] [--systems knapspec knapspec-ar]
         [--vllm-python /path/to/vllm-venv/bin/python] [--output results/serve/load.jsonl]
     python benchmarks/serve_load.py --soak 600 [--output results/serve/soak.jsonl]
@@ -75,6 +80,13 @@ def main() -> None:
     )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--requests", type=int, default=16, help="questions per pass")
+    parser.add_argument(
+        "--per-client",
+        type=int,
+        default=0,
+        help="at least this many requests per client in a pass (more questions from the "
+        "file): a steady state instead of one burst of --requests (0: off)",
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     parser.add_argument("--threads", type=int, default=2)
@@ -292,6 +304,19 @@ def _questions(count: int) -> list[str]:
     return firsts[::step][:count]
 
 
+def _pass_questions(base: list[str], total: int) -> list[str]:
+    """``base`` (the questions every pass asks, answered alone at C = 1), then other
+    questions of the file, spread over its categories, up to ``total``."""
+    if total <= len(base):
+        return base
+    lines = QUESTIONS.read_text().splitlines()
+    others = [q for q in (json.loads(line)["turns"][0] for line in lines if line.strip())]
+    others = [q for q in others if q not in set(base)]
+    wanted = total - len(base)
+    step = max(1, len(others) // wanted)
+    return base + others[::step][:wanted]
+
+
 async def _one(
     client: openai.AsyncOpenAI, model: str, question: str, max_tokens: int, sampling: dict[str, Any]
 ) -> dict[str, Any]:
@@ -357,19 +382,22 @@ async def _passes(
                 async with gate:
                     return await _one(client, server.model, question, args.max_tokens, sampling)
 
+            asked = _pass_questions(questions, args.per_client * concurrency)
             rss_before = server.rss_mib()
             busy_before = server.model_seconds()
             started = time.perf_counter()
             results = await asyncio.gather(
-                *(bounded(i, q, mode, gate) for i, q in enumerate(questions))
+                *(bounded(i, q, mode, gate) for i, q in enumerate(asked))
             )
             wall = time.perf_counter() - started
             busy = {k: v - busy_before[k] for k, v in server.model_seconds().items()}
             done = [r for r in results if r["ok"]]
             texts = [r.get("text") for r in results]
             if alone is None:
-                alone = [t or "" for t in texts]
-            differ = sum(1 for t, a in zip(texts, alone, strict=True) if t is not None and t != a)
+                alone = [t or "" for t in texts[: len(questions)]]
+            # Only the base questions have an answer alone to compare with.
+            compared = zip(texts[: len(alone)], alone, strict=True)
+            differ = sum(1 for t, a in compared if t is not None and t != a)
             tokens = sum(r["tokens"] for r in done)
             record = {
                 **machine,
@@ -378,7 +406,8 @@ async def _passes(
                 "model": server.model,
                 "mode": mode,
                 "concurrency": concurrency,
-                "requests": len(questions),
+                "requests": len(asked),
+                "compared_with_alone": len(alone),
                 "max_tokens": args.max_tokens,
                 "wall_s": wall,
                 "output_tokens": tokens,
