@@ -296,12 +296,19 @@ def _provisioned_model() -> Path:
 
 
 # ---------------------------------------------------------------------------- load
-def _questions(count: int) -> list[str]:
+def _spread(questions: list[str], count: int) -> list[str]:
+    """``count`` of ``questions`` spread over the file's categories (it is grouped by them)."""
+    step = max(1, len(questions) // count)
+    return questions[::step][:count]
+
+
+def _first_turns() -> list[str]:
     lines = QUESTIONS.read_text().splitlines()
-    firsts = [json.loads(line)["turns"][0] for line in lines if line.strip()]
-    # Spread over the categories (the file is grouped by category).
-    step = max(1, len(firsts) // count)
-    return firsts[::step][:count]
+    return [json.loads(line)["turns"][0] for line in lines if line.strip()]
+
+
+def _questions(count: int) -> list[str]:
+    return _spread(_first_turns(), count)
 
 
 def _pass_questions(base: list[str], total: int) -> list[str]:
@@ -309,12 +316,9 @@ def _pass_questions(base: list[str], total: int) -> list[str]:
     questions of the file, spread over its categories, up to ``total``."""
     if total <= len(base):
         return base
-    lines = QUESTIONS.read_text().splitlines()
-    others = [q for q in (json.loads(line)["turns"][0] for line in lines if line.strip())]
-    others = [q for q in others if q not in set(base)]
-    wanted = total - len(base)
-    step = max(1, len(others) // wanted)
-    return base + others[::step][:wanted]
+    asked = set(base)
+    others = [question for question in _first_turns() if question not in asked]
+    return base + _spread(others, total - len(base))
 
 
 async def _one(

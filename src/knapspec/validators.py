@@ -134,25 +134,29 @@ def _not_finite(name: str) -> Exception:
     return ValueError(f"{name} contains NaN or infinite values")
 
 
-def check_finite(
-    tensor: torch.Tensor, name: str, *, error: Callable[[str], Exception] = _not_finite
-) -> None:
-    """Raise ``error(name)`` (a ``ValueError`` naming ``name`` by default) when ``tensor``
-    holds NaN or infinite values.
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds no NaN or infinite value.
 
     A finite sum implies finite entries (NaN and ±inf propagate through it), and one
     reduction costs ~60x less than an element-wise mask of a ``(rows, width, vocab)``
     batch (0.07 against 4.3 ms for 4 × 11 × 49152 on a 2-core AMD EPYC); only a sum that
     is not finite, possibly an overflow of huge finite entries, is checked entry by entry.
     """
-    if bool(torch.isfinite(tensor.sum())):
-        return
-    if not bool(torch.isfinite(tensor).all()):
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
+
+
+def check_finite(
+    tensor: torch.Tensor, name: str, *, error: Callable[[str], Exception] = _not_finite
+) -> None:
+    """Raise ``error(name)`` (a ``ValueError`` naming ``name`` by default) when ``tensor``
+    holds NaN or infinite values (checked as :func:`all_finite` does)."""
+    if not all_finite(tensor):
         raise error(name)
 
 
 __all__ = [
     "Validator",
+    "all_finite",
     "at_least",
     "check_finite",
     "cosine",

@@ -36,6 +36,7 @@ from knapspec.decoding.sampler import TokenSampler, resolve_seed
 from knapspec.decoding.stats import GenerationStats
 from knapspec.model.batched import new_batch_cache
 from knapspec.sampling import SamplingParams
+from knapspec.validators import all_finite
 
 if TYPE_CHECKING:
     from knapspec.decoding.batch import SubnetworkPlanner
@@ -247,9 +248,9 @@ class ContinuousBatch(BatchRun):
     def _failed_rows(self, active: list[int], logits: torch.Tensor, widths: list[int]) -> set[int]:
         """Rows whose verification logits are not finite stop with ``"error"``; the others
         commit as usual (a row's logits depend on its own tokens and K/V only)."""
-        # A finite sum means finite entries (as in ``check_finite``): one reduction instead
-        # of an element-wise mask, which had cost 1.9 ms of a 16-row round's 46.
-        if bool(torch.isfinite(logits.sum())):
+        # Usually all finite: one reduction first (the element-wise mask below had cost
+        # 1.9 ms of a 16-row round's 46).
+        if all_finite(logits):
             return set()
         finite = torch.isfinite(logits).all(dim=-1).tolist()
         failed: set[int] = set()

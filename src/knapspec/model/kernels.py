@@ -360,9 +360,8 @@ class KernelTable:
         del data["source"]
         if not data["large"]:  # tables from before ``large`` keep their fingerprints
             del data["large"]
-        compiled = (ROW_LINEAR_KERNEL, AMX_KERNEL)
         names = {name for row in self.choices.values() for name in row} | set(self.large.values())
-        if names & set(compiled):
+        if names & {ROW_LINEAR_KERNEL, AMX_KERNEL}:
             data["compiled"] = ROW_LINEAR_LIBRARY.path().stem
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
