@@ -172,12 +172,15 @@ def _exact_attention(
     starts: Sequence[int],
     widths: Sequence[int],
     packed: bool,
+    lengths: torch.Tensor,
 ) -> torch.Tensor:
     """Every row's queries over its own keys through the row-invariant kernel, so that a
     row computes bitwise what it computes decoded alone (the exactness contract):
     ``query (1, H, T, hd)`` packed or ``(rows, H, q, hd)`` padded -> ``(1, T, H * hd)`` or
-    ``(rows, q, H * hd)``."""
-    together = _exact_attention_together(engine, query, cache, layer_index, starts, widths, packed)
+    ``(rows, q, H * hd)``; ``lengths`` from :func:`_query_lengths` (the same every layer)."""
+    together = _exact_attention_together(
+        engine, query, cache, layer_index, starts, widths, packed, lengths
+    )
     if together is not None:
         return together
     pieces = []
@@ -212,6 +215,7 @@ def _exact_attention_together(
     starts: Sequence[int],
     widths: Sequence[int],
     packed: bool,
+    lengths: torch.Tensor,
 ) -> torch.Tensor | None:
     """:func:`_exact_attention` in one kernel call for all rows (bitwise the same: a query
     row's output depends on its own query, keys and length only), or None where the
@@ -227,7 +231,6 @@ def _exact_attention_together(
             offset += width
     else:
         padded = query[:, :, :q_len]
-    lengths = _query_lengths(starts, widths, q_len)
     end = max(start + width for start, width in zip(starts, widths, strict=True))
     out = attend_rows_batched(
         padded,
@@ -257,7 +260,8 @@ def _exact_attention_together(
 def _query_lengths(starts: Sequence[int], widths: Sequence[int], q_len: int) -> torch.Tensor:
     """``(rows, q_len)`` int64: query ``i`` of row ``r`` sees ``starts[r] + i + 1`` keys;
     padding queries (``i >= widths[r]``) see one. Built in a few tensor ops: a loop of one
-    ``arange`` per row, run for each of 30 layers, had cost 2 ms of a 16-row round."""
+    ``arange`` per row, run for each of 30 layers, had cost 2 ms of a 16-row round; a pass
+    builds them once for all its layers."""
     start = torch.tensor(starts, dtype=torch.int64)[:, None]
     width = torch.tensor(widths, dtype=torch.int64)[:, None]
     offsets = torch.arange(q_len, dtype=torch.int64)[None, :]
@@ -395,14 +399,17 @@ def forward_batch(
         )
     elif not exact:
         visible = ragged_mask(start_tensor, q_len, end, groups)
+    else:
+        lengths = _query_lengths(starts, row_widths_all, max(row_widths_all))
+        packed = packing is not None
     for layer_index, layer in enumerate(engine.layers):
         if executed[2 * layer_index]:
-            normed = layer.input_layernorm(hidden)
+            normed = engine.normed(layer.input_layernorm, hidden)
             query, key, value = engine.project_qkv(layer_index, normed, cos, sin)
             cache.write(layer_index, index, key, value)
             if exact:
                 attended = _exact_attention(
-                    engine, query, cache, layer_index, starts, row_widths_all, packing is not None
+                    engine, query, cache, layer_index, starts, row_widths_all, packed, lengths
                 )
             elif split:
                 attended = _split_attention(

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -40,6 +40,7 @@ from knapspec.model.fusion import FusedProjection, fuse_linears
 from knapspec.model.invariance import InvarianceReport, row_invariant_table
 from knapspec.model.kernel_timing import linear_roles
 from knapspec.model.kernels import KERNELS, ONEDNN_KERNEL, PLAIN_KERNEL, Kernel, KernelTable
+from knapspec.model.layer_ops import RotaryFn, apply_norm, rotary_, serves_norms, serves_rotary
 from knapspec.model.onednn import prepack
 from knapspec.model.row_attention import (
     EXACT_MAX_QUERIES,
@@ -67,11 +68,6 @@ class OffloadedModelError(UnsupportedModelError):
 
 class ContextLengthError(ValueError):
     """A sequence would exceed the model's usable context length."""
-
-
-RotaryFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
-]
 
 
 @attrs.frozen
@@ -292,6 +288,20 @@ class SublayerEngine:
         self.chunk_invariant: bool = False
         if invariant_prefill:
             self.enable_chunk_invariance()
+        # An exact CPU engine runs its layer norms and rotary as one compiled call each
+        # (:mod:`knapspec.model.layer_ops`) on every path, where they compute the model's
+        # own (a norm within an ulp, rotary bitwise): ~16 small PyTorch operations a layer
+        # fewer. Decided before anything runs a forward (the kernel probe below does).
+        compiled = exact and self.device.type == "cpu"
+        norms = [
+            norm
+            for layer in self.layers
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm)
+        ]
+        self._compiled_norms = compiled and serves_norms(norms, self.dtype)
+        self._compiled_rotary = compiled and serves_rotary(
+            self._apply_rotary, self.num_heads, self.kv_heads, self.head_dim, self.dtype
+        )
         self.invariance: InvarianceReport | None = None
         self.use_kernels(KernelTable.plain())
         table = resolve_kernel_table(self, kernels, progress=progress)
@@ -439,6 +449,14 @@ class SublayerEngine:
         result: torch.Tensor = module(x)
         return result
 
+    def normed(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``norm(x)`` for one of a layer's RMSNorms ``x (..., d)``: one compiled call
+        where this engine runs them (an exact CPU engine, on all of its paths)."""
+        if self._compiled_norms:
+            return apply_norm(norm, x)
+        result: torch.Tensor = norm(x)
+        return result
+
     def _fused(
         self,
         fused: FusedProjection,
@@ -516,6 +534,9 @@ class SublayerEngine:
         if self._has_qk_norm:
             query = attn.q_norm(query)
             key = attn.k_norm(key)
+        if self._compiled_rotary and rotary_(query, key, cos, sin):
+            # Rotated in place (bitwise the model's rotary) before the transposes.
+            return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         query = query.transpose(1, 2)
         key = key.transpose(1, 2)
         value = value.transpose(1, 2)
@@ -621,7 +642,9 @@ class SublayerEngine:
         says)."""
         layer = self.layers[layer_index]
         q_len = hidden.shape[1]
-        query, key, value = self.project_qkv(layer_index, layer.input_layernorm(hidden), cos, sin)
+        query, key, value = self.project_qkv(
+            layer_index, self.normed(layer.input_layernorm, hidden), cos, sin
+        )
         cache.write(layer_index, start, key[0], value[0])
         end = start + q_len
         keys = cache.keys(layer_index, end).unsqueeze(0)
@@ -645,7 +668,7 @@ class SublayerEngine:
         """The residual stream ``(b, q, d)`` after layer ``layer_index``'s MLP sublayer."""
         layer = self.layers[layer_index]
         output: torch.Tensor = hidden + self._gated_mlp(
-            layer_index, layer.post_attention_layernorm(hidden)
+            layer_index, self.normed(layer.post_attention_layernorm, hidden)
         )
         return output
 
@@ -848,7 +871,9 @@ class SublayerEngine:
         layer = self.layers[layer_index]
         branches, q_len, _ = hidden.shape
         cos, sin = self.rotary(positions.to(self.device), hidden)
-        query, key, value = self.project_qkv(layer_index, layer.input_layernorm(hidden), cos, sin)
+        query, key, value = self.project_qkv(
+            layer_index, self.normed(layer.input_layernorm, hidden), cos, sin
+        )
         # All branches' queries in one row block: (1, H, B*q, hd); keys: prefix then windows.
         query = query.transpose(0, 1).reshape(1, self.num_heads, branches * q_len, self.head_dim)
         window_keys = key.transpose(0, 1).reshape(self.kv_heads, branches * q_len, self.head_dim)
