@@ -158,16 +158,19 @@ def test_a_table_with_large_kernels_round_trips_and_runs_them_over_max_rows() ->
 def test_a_table_running_the_compiled_kernel_names_its_build(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A profile timed with one build of row_linear.c is not reused with another."""
+    """A profile timed with one build of row_linear.c, or of the layer operations beside
+    it, is not reused with another."""
     from knapspec.model import kernels
 
     table = KernelTable(max_rows=1, choices={Q: ("row-linear",)}, large={Q: "row-linear"})
     plain_kernels = KernelTable(max_rows=1, choices={Q: ("transposed",)})
-    before, untouched = table.fingerprint(), plain_kernels.fingerprint()
-    edited = tmp_path / "row_linear.c"
-    edited.write_text(kernels.ROW_LINEAR_LIBRARY.source.read_text() + "\n/* edited */\n")
-    monkeypatch.setattr(kernels.ROW_LINEAR_LIBRARY, "source", edited)
-    assert table.fingerprint() != before
+    untouched = plain_kernels.fingerprint()
+    for library in (kernels.ROW_LINEAR_LIBRARY, kernels.LAYER_OPS_LIBRARY):
+        before = table.fingerprint()
+        edited = tmp_path / library.source.name
+        edited.write_text(library.source.read_text() + "\n/* edited */\n")
+        monkeypatch.setattr(library, "source", edited)
+        assert table.fingerprint() != before
     assert plain_kernels.fingerprint() == untouched  # no compiled kernel: nothing to name
 
 
