@@ -315,7 +315,7 @@ def _proposal() -> Draft:
 
 
 def test_the_cost_model_policy_drafts_a_small_batch_and_not_a_large_one() -> None:
-    policy = CostModelBatchPolicy(_width_costs(flat=4), max_draft_length=4)
+    policy = CostModelBatchPolicy(_width_costs(flat=4), max_draft_length=4, explore_plain=False)
     policy.reset(8)
     assert policy.draft_lengths([0], [_proposal()], [100]) == [3]  # 4 tokens cost one step
     eight = list(range(8))
@@ -346,7 +346,7 @@ def test_a_wide_pass_that_ran_dear_stops_the_batch_drafting() -> None:
     """The cost model makes 4 rows × 4 tokens look as cheap as a plain step; once such a
     pass is measured at 4x its price, the policy prices it so and drafts nothing."""
     costs = _width_costs(flat=16)
-    policy = CostModelBatchPolicy(costs, max_draft_length=3)
+    policy = CostModelBatchPolicy(costs, max_draft_length=3, explore_plain=False)
     policy.reset(4)
     rows = list(range(4))
     assert policy.draft_lengths(rows, [_proposal()] * 4, [100] * 4) == [3] * 4
@@ -367,6 +367,34 @@ def test_a_wide_pass_that_ran_dear_stops_the_batch_drafting() -> None:
     decoder.cost_model = _width_costs(flat=4)
     decoder.generate([REPEATING, REPEATING[3:]], max_new_tokens=6)
     assert decoder._batch_calibration is not learned
+
+
+def test_a_plain_pass_never_run_is_run_once_before_drafting_at_that_row_count() -> None:
+    """With no plain pass of 4 rows measured, the round the search would draft runs
+    plain; measured, the policy drafts where the measurement leaves drafting ahead, and
+    a plain pass measured far cheaper than its borrowed price keeps it plain."""
+    costs = _width_costs(flat=16)
+    policy = CostModelBatchPolicy(costs, max_draft_length=3)
+    policy.reset(4)
+    rows, proposals = list(range(4)), [_proposal()] * 4
+    assert policy.plan_round(rows, proposals, [100] * 4, [3] * 4).draft_lengths == (0,) * 4
+    assert policy.last_tokens_per_second["proposals"] > policy.last_tokens_per_second["plain"]
+    policy.observe_pass(4, 1, 100, batched_verify_cost(costs, 4, 1, 100))  # as predicted
+    assert policy.calibration.plain_rows == {4}
+    assert policy.plan_round(rows, proposals, [100] * 4, [3] * 4).draft_lengths == (3,) * 4
+    # Three rows, drafted passes measured dear (2x): once the plain pass has run, at a
+    # tenth of the price it borrowed from them, every round of three stays plain.
+    for extra in range(1, 10):
+        widths = [1 + extra, 1, 1]
+        policy.observe_pass(3, max(widths), 100, 2 * packed_verify_cost(costs, widths, 100))
+    policy.observe_pass(3, 1, 100, 0.2 * batched_verify_cost(costs, 3, 1, 100))
+    assert policy.plan_round(rows[:3], proposals[:3], [100] * 3, [3] * 3).draft_lengths == (0,) * 3
+    # (the best allocation is now none: the plain round itself)
+    assert policy.last_tokens_per_second["proposals"] == policy.last_tokens_per_second["plain"]
+    # Without exploration, the borrowed price decides at once.
+    eager = CostModelBatchPolicy(costs, max_draft_length=3, explore_plain=False)
+    eager.reset(4)
+    assert eager.plan_round(rows, proposals, [100] * 4, [3] * 4).draft_lengths == (3,) * 4
 
 
 def test_the_default_policy_speculates_only_with_lookup_and_a_cost_model() -> None:

@@ -202,7 +202,8 @@ MASK = SublayerMask.from_skipped(LAYERS, (0, 2, 4))  # every attention item skip
 def _policy(
     costs: VerifyCurveCostModel | CheapDraftCostModel, alpha: float
 ) -> CostModelBatchPolicy:
-    policy = CostModelBatchPolicy(costs, max_draft_length=4)
+    # The search's pricing alone: no plain pass is run first to measure it.
+    policy = CostModelBatchPolicy(costs, max_draft_length=4, explore_plain=False)
     policy.reset(8)
     policy.use_subnetwork(BatchSubnetwork(MASK, prior_acceptance=alpha, prior_tokens=4.0))
     return policy
@@ -321,7 +322,7 @@ def test_per_row_lookup_lengths_match_a_brute_force_over_every_allocation(
             return 1.0 + per_token * (tokens - 1) + attention * tokens * (context_length > 0)
 
     costs = Costs(lambda tokens: 1.0)
-    policy = CostModelBatchPolicy(costs, max_draft_length=4, margin=0.0)
+    policy = CostModelBatchPolicy(costs, max_draft_length=4, margin=0.0, explore_plain=False)
     policy.reset(len(rates))
     gains = [chained_expected_tokens(row) for row in rates]
     lengths = [len(row) for row in rates]
@@ -344,7 +345,7 @@ def test_a_row_that_copies_drafts_more_than_a_row_that_does_not() -> None:
     """Packed products price each row's tokens on their own: a row whose lookup matches
     16 tokens drafts long, a row with a 1-token match drafts little or nothing."""
     costs = VerifyCurveCostModel(lambda tokens: 1.0 + 0.08 * (tokens - 1))
-    policy = CostModelBatchPolicy(costs, max_draft_length=6)
+    policy = CostModelBatchPolicy(costs, max_draft_length=6, explore_plain=False)
     policy.reset(2)
     proposals = [
         Draft(tuple(range(6)), LOOKUP, match_length=16),

@@ -230,7 +230,7 @@ def test_an_exact_engine_runs_them_and_keeps_the_contract(family: str, dtype: to
     rotary on every path, and the logits within rounding of the model's own forward."""
     model = tiny_model(family).to(dtype)
     engine = SublayerEngine(model, progress=False)
-    assert engine._compiled_norms and engine._compiled_rotary
+    assert engine.compiled_norms and engine.compiled_rotary
     assert verification_mismatches(engine, CONTEXT, DRAFTED) == []
     tokens = torch.tensor([3, 14, 15, 92, 65, 35])
     with torch.inference_mode():
@@ -248,7 +248,30 @@ def test_without_a_compiler_the_engine_keeps_pytorchs_operations(
     monkeypatch.setattr(layer_ops.LIBRARY, "load", lambda: None)
     assert not available(torch.float32)
     engine = SublayerEngine(tiny_model("llama"), progress=False)
-    assert not engine._compiled_norms and not engine._compiled_rotary
+    assert not engine.compiled_norms and not engine.compiled_rotary
     assert verification_mismatches(engine, CONTEXT, DRAFTED) == []
     buffer = torch.zeros(2, 1, 4, 3)
     assert not scatter_(buffer, torch.tensor([[0]]), torch.tensor([[0]]), torch.ones(1, 1, 1, 3))
+
+
+def test_the_option_turns_them_all_off_and_batch_caches_write_alike() -> None:
+    """``compiled_layer_ops=False`` runs the model's modules and PyTorch's writes (the A/B
+    baseline); a batched pass writes bitwise the same K/V through either write."""
+    from knapspec.model.batched import forward_batch, new_batch_cache
+
+    model = tiny_model("llama")
+    off = SublayerEngine(model, progress=False, compiled_layer_ops=False)
+    assert not (off.compiled_norms or off.compiled_rotary or off.compiled_writes)
+    on = SublayerEngine(model, progress=False)
+    assert on.compiled_writes
+    tokens = torch.tensor([[4, 8, 15], [16, 23, 42]])
+    caches = []
+    for writes in (True, False):
+        off.compiled_writes = writes
+        cache = new_batch_cache(off, 2, 8)
+        forward_batch(off, tokens, [0, 0], cache)
+        caches.append(cache)
+    for layer in range(off.num_layers):
+        assert torch.equal(caches[0].keys(layer, 3), caches[1].keys(layer, 3))
+        assert torch.equal(caches[0].values(layer, 3), caches[1].values(layer, 3))
+    assert caches[0].keys(0, 3).abs().sum() > 0

@@ -212,6 +212,9 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         draft_calibration: the same for batched sub-network steps (keyed by rows).
         lookup: whether rows may draft their proposals (lookup's or any drafter's that
             proposes before planning; False: the shared sub-network only).
+        explore_plain: where a round would draft but the plain pass of that many rows has
+            never run, run it plain once first (its price is otherwise borrowed from
+            drafted passes; :class:`BatchPassCalibration`).
     """
 
     def __init__(
@@ -223,6 +226,7 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         draft_calibration: BatchPassCalibration | None = None,
         *,
         lookup: bool = True,
+        explore_plain: bool = True,
     ) -> None:
         if max_draft_length < 1:
             raise ValueError(f"max_draft_length must be >= 1, got {max_draft_length}")
@@ -232,6 +236,7 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         self.max_draft_length = max_draft_length
         self.margin = margin
         self.lookup = lookup
+        self.explore_plain = explore_plain
         self.calibration = calibration if calibration is not None else BatchPassCalibration()
         self.draft_calibration = (
             draft_calibration if draft_calibration is not None else BatchPassCalibration()
@@ -347,6 +352,11 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         self.last_tokens_per_second = best_of
         if best_tpt < (1.0 + self.margin) * plain:
             return nothing
+        if self.explore_plain and count not in self.calibration.plain_rows:
+            # The plain pass of this many rows has never run, so its price is borrowed
+            # from drafted passes (:class:`BatchPassCalibration`): run it once and
+            # compare measured with measured from the next round on.
+            return nothing
         return best_plan
 
     def _subnetwork_option(
@@ -390,6 +400,8 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         row_widths = list(widths) if widths is not None else [width] * rows
         predicted = packed_verify_cost(self.cost_model, row_widths, context)
         self.calibration.observe(sum(row_widths), predicted, seconds)
+        if max(row_widths) == 1:
+            self.calibration.plain_rows.add(len(row_widths))
 
     def observe_subnetwork(self, row: int, drafted: int, accepted: int) -> None:
         if self.subnetwork_acceptance:

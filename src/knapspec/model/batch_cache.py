@@ -28,6 +28,8 @@ class BatchKVCache:
         kv_heads, head_dim: the model's key/value heads and head size.
         capacity: token slots per row (every row's prompt + new tokens + draft room).
         dtype, device: the model's.
+        compiled_writes: write K/V through one compiled copy per buffer where it serves
+            (:func:`~knapspec.model.layer_ops.scatter_`, bitwise the indexed assignment).
 
     Buffers start as zeros: a padded query attends to nothing it should not, but its
     masked keys still enter the product ``softmax · V`` with weight 0, so they must be
@@ -44,6 +46,7 @@ class BatchKVCache:
         *,
         dtype: torch.dtype,
         device: torch.device,
+        compiled_writes: bool = True,
     ) -> None:
         if rows < 1 or capacity < 1:
             raise ValueError(
@@ -55,6 +58,7 @@ class BatchKVCache:
         self.num_layers = num_layers
         self.capacity = capacity
         self.device = device
+        self._compiled_writes = compiled_writes and device.type == "cpu"
         self._keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         #: Valid tokens of each active row (every layer holds the same count).
@@ -106,7 +110,7 @@ class BatchKVCache:
         # One compiled copy per buffer where it serves (bitwise the indexed assignment,
         # which cost ~50 µs a layer at 16 rows); a refused layout writes nothing.
         if (
-            self.device.type == "cpu"
+            self._compiled_writes
             and scatter_(self._keys[layer], rows, positions, keys)
             and scatter_(self._values[layer], rows, positions, values)
         ):

@@ -56,6 +56,7 @@ def new_batch_cache(engine: SublayerEngine, rows: int, capacity: int) -> BatchKV
         capacity,
         dtype=engine.dtype,
         device=engine.device,
+        compiled_writes=engine.compiled_writes,
     )
 
 

@@ -205,6 +205,13 @@ class SublayerEngine:
             True: always; False: never (then cached prefixes are not used and a
             conversation's turns may differ from cold calls at a near-tie). See
             :attr:`chunk_invariant`.
+        compiled_layer_ops: with ``exact`` on a CPU, run each layer's RMSNorms and
+            rotary as one compiled call each (:mod:`knapspec.model.layer_ops`; rotary
+            bitwise the model's, the norm within an ulp, row-invariant both) where they
+            build and compute the model's own, and write a batch's K/V through one compiled
+            copy per buffer (bitwise); False keeps the model's modules and PyTorch's
+            indexed writes (A/B runs). :attr:`compiled_norms`, :attr:`compiled_rotary` and
+            :attr:`compiled_writes` say what runs.
     """
 
     def __init__(
@@ -217,6 +224,7 @@ class SublayerEngine:
         progress: bool | None = None,
         exact: bool = True,
         invariant_prefill: bool | None = None,
+        compiled_layer_ops: bool = True,
     ) -> None:
         _check_supported(model)
         _check_placement(model)
@@ -292,14 +300,18 @@ class SublayerEngine:
         # (:mod:`knapspec.model.layer_ops`) on every path, where they compute the model's
         # own (a norm within an ulp, rotary bitwise): ~16 small PyTorch operations a layer
         # fewer. Decided before anything runs a forward (the kernel probe below does).
-        compiled = exact and self.device.type == "cpu"
+        #: Whether batch caches write K/V through one compiled copy (bitwise; any engine).
+        self.compiled_writes: bool = compiled_layer_ops and self.device.type == "cpu"
+        compiled = compiled_layer_ops and exact and self.device.type == "cpu"
         norms = [
             norm
             for layer in self.layers
             for norm in (layer.input_layernorm, layer.post_attention_layernorm)
         ]
-        self._compiled_norms = compiled and serves_norms(norms, self.dtype)
-        self._compiled_rotary = compiled and serves_rotary(
+        #: Whether the layers' RMSNorms run as one compiled call each (every path).
+        self.compiled_norms: bool = compiled and serves_norms(norms, self.dtype)
+        #: Whether rotary runs in place as one compiled call (bitwise the model's).
+        self.compiled_rotary: bool = compiled and serves_rotary(
             self._apply_rotary, self.num_heads, self.kv_heads, self.head_dim, self.dtype
         )
         self.invariance: InvarianceReport | None = None
@@ -452,7 +464,7 @@ class SublayerEngine:
     def normed(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``norm(x)`` for one of a layer's RMSNorms ``x (..., d)``: one compiled call
         where this engine runs them (an exact CPU engine, on all of its paths)."""
-        if self._compiled_norms:
+        if self.compiled_norms:
             return apply_norm(norm, x)
         result: torch.Tensor = norm(x)
         return result
@@ -534,7 +546,7 @@ class SublayerEngine:
         if self._has_qk_norm:
             query = attn.q_norm(query)
             key = attn.k_norm(key)
-        if self._compiled_rotary and rotary_(query, key, cos, sin):
+        if self.compiled_rotary and rotary_(query, key, cos, sin):
             # Rotated in place (bitwise the model's rotary) before the transposes.
             return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         query = query.transpose(1, 2)

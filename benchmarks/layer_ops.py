@@ -1,0 +1,142 @@
+"""The compiled layer operations, on and off: one batched decode round at 1, 4 and 16 rows.
+
+An exact CPU engine runs each layer's RMSNorms and rotary as one compiled call each and
+writes a batch's K/V with one compiled copy per buffer (:mod:`knapspec.model.layer_ops`);
+``compiled_layer_ops=False`` keeps the model's modules and PyTorch's indexed writes. This
+times plain batched rounds (the autoregressive planner: every row one token a round) of
+Spec-Bench first turns on the real SmolLM2, both settings on one engine, interleaved in
+blocks (on, off, on, off, ...), and reports the median round per setting and rows.
+
+Writes ``results/engine/layer-ops-<cpu>.jsonl``: one line per rows and setting (median,
+p10, p90 round in ms over every timed round of its blocks) and a summary line per rows.
+
+    python benchmarks/layer_ops.py [--rows 1 4 16] [--blocks 4] [--rounds 30] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from knapspec.bench.env import environment
+from knapspec.bench.specbench.questions import load_questions, packaged_questions
+from knapspec.decoding.continuous import RowRequest
+from knapspec.decoding.decoder import SpeculativeDecoder
+from knapspec.model.engine import SublayerEngine
+from knapspec.model.machine import host_cpu_model
+from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.planners import AutoregressivePlanner
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _set(engine: SublayerEngine, on: bool, built: tuple[bool, bool, bool]) -> None:
+    """Turn the compiled operations on (as the engine built them) or off."""
+    engine.compiled_norms, engine.compiled_rotary, engine.compiled_writes = (
+        built if on else (False, False, False)
+    )
+
+
+def _rounds(
+    decoder: SpeculativeDecoder, prompts: list[list[int]], warm: int, timed: int
+) -> list[float]:
+    """Seconds of ``timed`` plain batched rounds of ``prompts`` after ``warm`` rounds."""
+    batch = decoder.continuous_batch(len(prompts), 2048)
+    for prompt in prompts:
+        batch.add(RowRequest(prompt, warm + timed + 8))
+    for _ in range(warm):
+        batch.step()
+    seconds = []
+    for _ in range(timed):
+        started = time.perf_counter()
+        batch.step()
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+def _chat_ids(tokenizer: Any, question: str) -> list[int]:
+    """A Spec-Bench first turn as the chat template's token ids."""
+    encoded = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+    )
+    return list(encoded["input_ids"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--blocks", type=int, default=4, help="blocks per setting")
+    parser.add_argument("--rounds", type=int, default=30, help="timed rounds per block")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--output", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model_and_tokenizer(dtype=DTYPES[args.dtype])
+    engine = SublayerEngine(model)
+    built = (engine.compiled_norms, engine.compiled_rotary, engine.compiled_writes)
+    if not any(built):
+        raise SystemExit("the compiled layer operations do not run here: nothing to compare")
+    decoder = SpeculativeDecoder(engine, planner=AutoregressivePlanner())
+    questions = [q.turns[0] for q in load_questions(packaged_questions())]
+    slug = re.sub(r"[^a-z0-9]+", "-", host_cpu_model().lower()).strip("-")
+    output = args.output or Path(f"results/engine/layer-ops-{slug}.jsonl")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    env = {**environment(model, args.threads), "dtype": args.dtype, "built": built}
+    lines: list[dict[str, object]] = []
+    for rows in args.rows:
+        prompts = [_chat_ids(tokenizer, question) for question in questions[:rows]]
+        timings: dict[bool, list[float]] = {True: [], False: []}
+        for block in range(2 * args.blocks):
+            on = block % 2 == 0
+            _set(engine, on, built)
+            timings[on] += _rounds(decoder, prompts, warm=5, timed=args.rounds)
+        _set(engine, True, built)
+        medians = {}
+        for on, seconds in timings.items():
+            ms = sorted(s * 1e3 for s in seconds)
+            medians[on] = statistics.median(ms)
+            lines.append(
+                {
+                    **env,
+                    "kind": "round",
+                    "rows": rows,
+                    "compiled_layer_ops": on,
+                    "rounds": len(ms),
+                    "median_ms": round(medians[on], 2),
+                    "p10_ms": round(ms[len(ms) // 10], 2),
+                    "p90_ms": round(ms[(9 * len(ms)) // 10], 2),
+                }
+            )
+        summary = {
+            **env,
+            "kind": "summary",
+            "rows": rows,
+            "off_over_on": round(medians[False] / medians[True], 3),
+        }
+        lines.append(summary)
+        print(
+            f"{rows:3d} rows: on {medians[True]:6.1f} ms, off {medians[False]:6.1f} ms "
+            f"({summary['off_over_on']}x)",
+            flush=True,
+        )
+    with output.open("a") as handle:
+        for line in lines:
+            handle.write(json.dumps(line) + "\n")
+    print(f"wrote {len(lines)} lines to {output}")
+
+
+if __name__ == "__main__":
+    main()
