@@ -6,6 +6,7 @@ exactness contract, and keeps PyTorch's operations where they cannot be built.""
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -275,3 +276,31 @@ def test_the_option_turns_them_all_off_and_batch_caches_write_alike() -> None:
         assert torch.equal(caches[0].keys(layer, 3), caches[1].keys(layer, 3))
         assert torch.equal(caches[0].values(layer, 3), caches[1].values(layer, 3))
     assert caches[0].keys(0, 3).abs().sum() > 0
+
+
+def test_a_kernels_cache_key_covers_the_shared_header_and_the_wheel_ships_both(
+    tmp_path: Path,
+) -> None:
+    """Editing ``bfloat16.h`` rebuilds every kernel that includes it (their cache keys hash
+    the headers beside the source), and the package data ships every C source and header
+    (a wheel without them would fall back to the slow paths)."""
+    import fnmatch
+    import shutil
+    import tomllib
+
+    from knapspec.model.compiled import CSRC, CompiledLibrary
+
+    for path in CSRC.iterdir():
+        shutil.copy(path, tmp_path / path.name)
+    library = CompiledLibrary("layer_ops.c", "test", "test", lambda _: None)
+    library.source = tmp_path / "layer_ops.c"
+    before = library.path()
+    header = tmp_path / "bfloat16.h"
+    header.write_text(header.read_text() + "\n/* edited */\n")
+    assert library.path() != before
+    pyproject = tomllib.loads((CSRC.parents[3] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["knapspec"]
+    shipped = [f"model/csrc/{path.name}" for path in CSRC.iterdir()]
+    assert {".c", ".h"} <= {Path(name).suffix for name in shipped}
+    for name in shipped:
+        assert any(fnmatch.fnmatch(name, pattern) for pattern in patterns), name

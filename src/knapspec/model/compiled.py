@@ -4,9 +4,10 @@ The row-invariant kernels (:mod:`knapspec.model.row_attention`,
 :mod:`knapspec.model.row_linear`) are plain C (no torch headers: each compiles in about a
 second) built with ``-march=native`` for the CPU at hand, loaded with :mod:`ctypes` (which
 releases the GIL during a call). A library is cached under the knapspec cache, keyed by its
-source, the compiler, the flags and the CPU's model name and flags (a kernel built for one
-CPU may not run on another sharing the cache). Where no compiler works, :meth:`load`
-returns None and says why once; callers fall back to pure PyTorch.
+source and the headers beside it, the compiler, the flags and the CPU's model name and
+flags (a kernel built for one CPU may not run on another sharing the cache). Where no
+compiler works, :meth:`load` returns None and says why once; callers fall back to pure
+PyTorch.
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ class CompiledLibrary:
 
         digest = hashlib.sha256()
         digest.update(self.source.read_bytes())
+        for header in sorted(self.source.parent.glob("*.h")):  # what the source includes
+            digest.update(header.read_bytes())
         digest.update((compiler() or "none").encode())
         digest.update(" ".join(self.flags).encode())
         digest.update(cpu_identity().encode())

@@ -26,22 +26,7 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = ((uint32_t)h) << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)((bits + rounding) >> 16);
-}
+#include "bfloat16.h"
 
 /* Row buffers: a row is widened to float32 into one of these, worked on, and narrowed
  * back; every loop over one runs the same arithmetic per element and vectorises. */

@@ -25,6 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bfloat16.h"
+
 /* One hardware vector of floats: the lane count is fixed per build, so every row of every
  * call on this machine runs the same arithmetic. */
 #if defined(__AVX512F__)
@@ -35,24 +37,8 @@
 typedef float vfloat __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vint __attribute__((vector_size(LANES * sizeof(int32_t))));
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 /* What a call runs on: the vector path (any dtype), the AMX tiles or VDPBF16PS (bf16). */
 enum { UNIT_VECTOR = 0, UNIT_AMX = 1, UNIT_DPBF16 = 2 };
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = ((uint32_t)h) << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)((bits + rounding) >> 16);
-}
 
 /* One row of head_dim elements of either dtype, widened to float. */
 static inline void load_row(const void *base, int64_t index, int dtype, int64_t head_dim,

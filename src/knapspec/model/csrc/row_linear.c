@@ -30,6 +30,7 @@
 #include <string.h>
 #include <immintrin.h>
 
+#include "bfloat16.h"
 
 #if defined(__AVX512F__)
 #define LANES 16
@@ -72,23 +73,6 @@ static inline vreg vload_(const float *p) { vreg v; memcpy(&v, p, sizeof v); ret
 #define MAX_COLS 8
 /* Weight rows ahead that a tile prefetches: the next column group's. */
 #define PREFETCH_ROWS MAX_COLS
-
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = ((uint32_t)h) << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)((bits + rounding) >> 16);
-}
 
 /* The lanes of v summed by a fixed tree (halves, then quarters, ...). */
 static inline float lane_sum(vreg v) {
