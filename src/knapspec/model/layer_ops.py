@@ -143,24 +143,25 @@ def rotary_(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torc
         then runs the model's rotary); True once both are rotated.
     """
     batch, q_len, _, head_dim = query.shape
-    views = [_token_heads(query), _token_heads(key)]
+    query_view, key_view = _token_heads(query), _token_heads(key)
     if (
-        query.dtype not in _DTYPES
+        query_view is None
+        or key_view is None
+        or query.dtype not in _DTYPES
         or key.dtype != query.dtype
-        or cos.dtype != query.dtype
-        or tuple(cos.shape) != (batch, q_len, head_dim)
         or tuple(key.shape[:2]) != (batch, q_len)
+        or key.shape[3] != head_dim
+        or any(
+            table.dtype != query.dtype or tuple(table.shape) != (batch, q_len, head_dim)
+            for table in (cos, sin)
+        )
     ):
         return False
     tokens = batch * q_len
     cos = cos.reshape(tokens, head_dim).contiguous()
     sin = sin.reshape(tokens, head_dim).contiguous()
     library = _library()
-    for view in views:
-        if view is None:
-            return False
-    for view in views:
-        assert view is not None
+    for view in (query_view, key_view):
         _check(
             library.knapspec_rotary(
                 view.data_ptr(),
