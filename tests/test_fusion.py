@@ -123,8 +123,9 @@ def test_a_fused_model_saves_and_reloads(tmp_path: Path) -> None:
 
 def test_an_exact_bf16_engine_fuses_where_its_kernel_computes_each_output_alone() -> None:
     """bfloat16 runs the framework's products unless exact; an exact engine's row-linear
-    kernel makes each output a function of its weight row alone, so the projections fuse
-    (one call a group) and every logit stays bitwise the unfused engine's."""
+    or packed-linear kernel makes each output a function of its weight row alone, so the
+    projections fuse (one call a group) and every logit stays bitwise the unfused
+    engine's."""
     from knapspec.model.row_linear import available
 
     if not available(torch.bfloat16):
@@ -133,13 +134,11 @@ def test_an_exact_bf16_engine_fuses_where_its_kernel_computes_each_output_alone(
     ids = torch.randint(0, 97, (17,), generator=torch.Generator().manual_seed(3))
     fused = SublayerEngine(model, exact=True)
     table = fused.kernels
-    if not all(name == "row-linear" for names in table.choices.values() for name in names):
-        pytest.skip("the probe chose another kernel here (an AMX CPU: amx-linear)")
-    assert all(all(table.fuse[group]) for group in ("qkv", "gate_up"))
-    assert fused.invariance is not None and fused.invariance.fused == {
-        "qkv": True,
-        "gate_up": True,
-    }
+    fused_groups = {group for group in ("qkv", "gate_up") if all(table.fuse.get(group, ()))}
+    if not fused_groups:
+        pytest.skip("the probe chose no kernel that fuses by construction (an AMX CPU)")
+    assert fused.invariance is not None
+    assert {g for g, on in fused.invariance.fused.items() if on} == fused_groups
     plain = SublayerEngine(copy.deepcopy(model), exact=True, fuse_projections=False)
     assert not any(any(flags) for flags in plain.kernels.fuse.values())
     for got, expected in zip(_steps(fused, ids), _steps(plain, ids), strict=True):

@@ -17,13 +17,15 @@ from knapspec.model import row_linear as row_linear_module
 from knapspec.model.compiled import CompiledLibrary
 from knapspec.model.engine import SublayerEngine
 from knapspec.model.invariance import first_violation, row_invariant_table
-from knapspec.model.kernels import AMX_KERNEL, KERNELS, ROW_LINEAR_KERNEL, Kernel
+from knapspec.model.kernels import AMX_KERNEL, KERNELS, PACKED_KERNEL, ROW_LINEAR_KERNEL, Kernel
 from knapspec.model.row_linear import (
     amx_available,
     amx_linear,
     amx_pack,
     available,
     build_description,
+    packed_available,
+    packed_linear,
     row_linear,
 )
 from knapspec.testing.exactness import verification_mismatches
@@ -36,11 +38,16 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 needs_amx = pytest.mark.skipif(
     not amx_available(), reason="no AMX tiles here (lscpu: amx_bf16), or the OS refuses them"
 )
-#: (kernel, dtype) pairs to test: the AVX kernel in both dtypes, the AMX one in bf16.
+needs_packed = pytest.mark.skipif(
+    not packed_available(), reason="no AVX512-BF16 here (lscpu: avx512_bf16)"
+)
+#: (kernel, dtype) pairs to test: the AVX kernel in both dtypes, the AMX and packed ones
+#: in bf16 (where the CPU has their units).
 CASES = [
     pytest.param(row_linear, torch.float32, id="row-linear-float32"),
     pytest.param(row_linear, torch.bfloat16, id="row-linear-bfloat16"),
     pytest.param(amx_linear, torch.bfloat16, id="amx-linear-bfloat16", marks=needs_amx),
+    pytest.param(packed_linear, torch.bfloat16, id="packed-linear-bfloat16", marks=needs_packed),
 ]
 
 
@@ -56,6 +63,7 @@ def test_the_kernel_builds_here(dtype: torch.dtype) -> None:
     kernel_and_dtype=st.sampled_from(
         [(row_linear, torch.float32), (row_linear, torch.bfloat16)]
         + ([(amx_linear, torch.bfloat16)] if amx_available() else [])
+        + ([(packed_linear, torch.bfloat16)] if packed_available() else [])
     ),
     out_features=st.integers(1, 70),
     in_features=st.integers(1, 200),
@@ -122,9 +130,10 @@ def test_the_amx_packing_is_the_documented_layout() -> None:
     assert packed[0, 2, 3, 0, 0] == 0  # k 70 is padding
 
 
-def test_the_amx_kernel_falls_back_outside_its_dtype() -> None:
+@pytest.mark.parametrize("kernel", [amx_linear, packed_linear], ids=["amx", "packed"])
+def test_the_bf16_kernels_fall_back_outside_their_dtype(kernel: Kernel) -> None:
     weight, x = torch.randn(24, 40), torch.randn(5, 40)
-    together = amx_linear(x, weight, None)  # float32: each row its own F.linear
+    together = kernel(x, weight, None)  # float32: each row its own F.linear
     for i in range(5):
         assert torch.equal(together[i : i + 1], torch.nn.functional.linear(x[i : i + 1], weight))
 
@@ -163,6 +172,15 @@ def test_the_probe_offers_it_to_exact_engines() -> None:
     offered = {name for names in report.timed.values() for name in names}
     chosen = set(report.kernels.values())
     assert ROW_LINEAR_KERNEL in offered | chosen
+
+
+@needs_packed
+def test_the_probe_offers_the_packed_kernel_to_exact_bf16_engines() -> None:
+    engine = SublayerEngine(tiny_model("llama").to(torch.bfloat16))
+    report = row_invariant_table(engine, engine.kernels, use_cache=False)
+    offered = {name for names in report.timed.values() for name in names}
+    assert PACKED_KERNEL in offered | set(report.kernels.values())
+    assert KERNELS[PACKED_KERNEL] is packed_linear
 
 
 @needs_amx

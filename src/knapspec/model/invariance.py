@@ -49,6 +49,7 @@ from knapspec.model.kernels import (
     FUSION_GROUPS,
     KERNELS,
     ONEDNN_KERNEL,
+    PACKED_KERNEL,
     PLAIN_KERNEL,
     ROW_LINEAR_KERNEL,
     ROWWISE_KERNEL,
@@ -70,7 +71,7 @@ from knapspec.model.probe import (  # the probe lived here; its names are re-exp
 )
 from knapspec.model.provision import cache_root
 from knapspec.model.row_linear import LIBRARY as ROW_LINEAR_LIBRARY
-from knapspec.model.row_linear import amx_available, release_amx_packed
+from knapspec.model.row_linear import amx_available, packed_available, release_amx_packed
 from knapspec.model.row_linear import available as row_linear_available
 
 if TYPE_CHECKING:
@@ -115,12 +116,18 @@ class InvarianceReport:
 
 
 def _candidates(
-    table: KernelTable, shape: Shape, onednn: bool, compiled: bool = False, amx: bool = False
+    table: KernelTable,
+    shape: Shape,
+    onednn: bool,
+    compiled: bool = False,
+    amx: bool = False,
+    packed: bool = False,
 ) -> list[str]:
     """The unblocked kernels to probe for ``shape``, in order of preference (each is also
     tried in blocks where it fails as it is: :func:`_choose`); with ``compiled``, the
     compiled ``row-linear`` kernel too (row-invariant by construction, yet probed like the
-    others: the probe has the last word); with ``amx``, its AMX-tile version too."""
+    others: the probe has the last word); with ``amx``, its AMX-tile version too, with
+    ``packed`` its packed-weight VDPBF16PS version."""
     names = table.choices.get(shape, ())
     ordered = [*names[:1], *(name for name, _ in Counter(names).most_common())]
     if shape in table.large:
@@ -134,6 +141,8 @@ def _candidates(
         ordered.append(ROW_LINEAR_KERNEL)
     if amx:
         ordered.append(AMX_KERNEL)
+    if packed:
+        ordered.append(PACKED_KERNEL)
     unique: list[str] = []
     for name in ordered:
         base = name.partition("/")[0]
@@ -241,6 +250,7 @@ def _probe(
     onednn: bool,
     compiled: bool,
     amx: bool,
+    packed: bool = False,
 ) -> _Verdicts:
     """Probe and time the candidates for every role's shape (:func:`_choose`)."""
     kernels: dict[str, str] = {}
@@ -250,7 +260,7 @@ def _probe(
         shape = shape_name(role.shape)
         if shape in kernels:
             continue
-        candidates = _candidates(table, role.shape, onednn, compiled, amx)
+        candidates = _candidates(table, role.shape, onednn, compiled, amx, packed)
         kernels[shape], broken, scores = _choose(role, candidates)
         if broken:
             failed[shape] = broken
@@ -280,6 +290,7 @@ def row_invariant_table(
     onednn = engine.device.type == "cpu" and onednn_available() and packing_fits(weight_bytes)
     compiled = engine.device.type == "cpu" and row_linear_available(engine.dtype)
     amx = compiled and amx_available(engine.dtype)
+    packed = compiled and packed_available(engine.dtype)
     max_rows = table.max_rows or SMALL_ROWS
     fuse = {
         group: Counter(table.fuse.get(group, (False,))).most_common(1)[0][0]
@@ -300,10 +311,10 @@ def row_invariant_table(
         with cachefiles.exclusive(path):
             cached = cachefiles.read(path, _parse_cached, "row-invariance probe", quiet=True)
             if not usable(cached):
-                cached = _probe(roles, table, onednn, compiled, amx)
+                cached = _probe(roles, table, onednn, compiled, amx, packed)
                 cachefiles.store(path, _render(cached), "row-invariance probe")
     elif path is None:
-        cached = _probe(roles, table, onednn, compiled, amx)
+        cached = _probe(roles, table, onednn, compiled, amx, packed)
     assert cached is not None
     kernels = {parse_shape(shape): name for shape, name in cached[0].items()}
     failed = dict(cached[1])
@@ -347,19 +358,22 @@ def _fuse_by_construction(
     kernels: dict[Shape, str],
     fuse: dict[str, bool],
 ) -> None:
-    """Fuse each group whose parts all run ``row-linear`` (in place: ``fuse`` and the
-    fused shape's kernel). That kernel computes every output element alone, the same
-    arithmetic whatever the other outputs, so the fused product is bitwise its parts and
-    the probe has nothing to decide; the group's one call instead of two or three saved 1
-    ms of a 27 ms bf16 decode step of SmolLM2 on a 2-core AMD EPYC Zen 4 (more at more
-    rows). (The AMX kernel would keep a second packed copy of a fused weight: left out.)"""
+    """Fuse each group whose parts all run ``row-linear``, or all ``packed-linear`` (in
+    place: ``fuse`` and the fused shape's kernel). Those kernels compute every output
+    element alone, the same arithmetic whatever the other outputs, so the fused product is
+    bitwise its parts and the probe has nothing to decide; the group's one call instead of
+    two or three saved 1 ms of a 27 ms bf16 decode step of SmolLM2 on a 2-core AMD EPYC Zen
+    4 (more at more rows). (The AMX kernel is left out: its tiles win only at many rows,
+    where nothing runs fused.)"""
     for role in fused_roles:
         parts = [part for part in separate if part.name in role.parts]
         if fuse.get(role.name) or len(parts) != len(role.parts):
             continue
-        if all(kernels.get(part.shape) == ROW_LINEAR_KERNEL for part in parts):
+        chosen = {kernels.get(part.shape, PLAIN_KERNEL) for part in parts}
+        kernel = chosen.pop()
+        if not chosen and kernel in (ROW_LINEAR_KERNEL, PACKED_KERNEL):
             fuse[role.name] = True
-            kernels[role.shape] = ROW_LINEAR_KERNEL
+            kernels[role.shape] = kernel
 
 
 __all__ = [

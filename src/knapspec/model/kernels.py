@@ -9,9 +9,10 @@ CPU and its BLAS, not on the model:
 * ``transposed-padded``: the same with 1 row padded to 2 and 3 rows to 4;
 * ``onednn``: oneDNN's inner product against a copy of ``W`` reordered once into its
   blocked layout (:mod:`knapspec.model.onednn`; x86 builds of PyTorch);
-* ``row-linear`` and ``amx-linear``: compiled kernels that are row-invariant by
-  construction (:mod:`knapspec.model.row_linear`; the second on the AMX tiles, bfloat16),
-  candidates of exact engines only.
+* ``row-linear``, ``amx-linear`` and ``packed-linear``: compiled kernels that are
+  row-invariant by construction (:mod:`knapspec.model.row_linear`; the second on the AMX
+  tiles, the third on a weight packed for VDPBF16PS, both bfloat16), candidates of exact
+  engines only.
 
 On a 2-core AMD EPYC (MKL, AVX2) ``F.linear`` re-reads ``W`` for every row of a few-row
 product (SmolLM2's ``49152 × 576`` LM head: 7.3 ms for 1 row, 22.2 ms for 3), while
@@ -44,7 +45,8 @@ from knapspec.model.onednn import onednn_packed
 from knapspec.model.row_linear import AMX_NAME as AMX_KERNEL
 from knapspec.model.row_linear import LIBRARY as ROW_LINEAR_LIBRARY
 from knapspec.model.row_linear import NAME as ROW_LINEAR_KERNEL
-from knapspec.model.row_linear import amx_linear, one_row_at_a_time, row_linear
+from knapspec.model.row_linear import PACKED_NAME as PACKED_KERNEL
+from knapspec.model.row_linear import amx_linear, one_row_at_a_time, packed_linear, row_linear
 
 #: Row counts the table covers (1 .. SMALL_ROWS): decode, draft and verify steps (``D + 1``
 #: rows at most) and the DP's small batches. Larger products always run ``F.linear``.
@@ -155,6 +157,7 @@ KERNELS: dict[str, Kernel] = {
     # candidate of exact engines only, never tried in blocks.
     ROW_LINEAR_KERNEL: row_linear,
     AMX_KERNEL: amx_linear,  # the same on the AMX tiles (bfloat16)
+    PACKED_KERNEL: packed_linear,  # the same on a packed weight (bfloat16, AVX512-BF16)
     **{
         blocked_name(name, height): blocked(kernel, height)
         for height in BLOCK_HEIGHTS
@@ -162,6 +165,8 @@ KERNELS: dict[str, Kernel] = {
     },
 }
 PLAIN_KERNEL = "f.linear"
+#: The compiled kernels (row-invariant by construction; a table running one names its build).
+COMPILED_KERNELS = frozenset({ROW_LINEAR_KERNEL, AMX_KERNEL, PACKED_KERNEL})
 #: oneDNN's packed product (its weights are reordered when a table that runs it is adopted).
 ONEDNN_KERNEL = "onednn"
 #: One row at a time (:func:`rowwise`).
@@ -364,7 +369,7 @@ class KernelTable:
         if not data["large"]:  # tables from before ``large`` keep their fingerprints
             del data["large"]
         names = {name for row in self.choices.values() for name in row} | set(self.large.values())
-        if names & {ROW_LINEAR_KERNEL, AMX_KERNEL}:
+        if names & COMPILED_KERNELS:
             data["compiled"] = ROW_LINEAR_LIBRARY.path().stem
             data["layer_ops"] = LAYER_OPS_LIBRARY.path().stem
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
@@ -396,9 +401,11 @@ def _runs(names: tuple[str, ...]) -> str:
 __all__ = [
     "AMX_KERNEL",
     "BLOCK_HEIGHTS",
+    "COMPILED_KERNELS",
     "FUSION_GROUPS",
     "KERNELS",
     "ONEDNN_KERNEL",
+    "PACKED_KERNEL",
     "PLAIN_KERNEL",
     "ROWWISE_KERNEL",
     "ROW_LINEAR_KERNEL",
