@@ -30,7 +30,7 @@ from knapspec.decoding.batch_policy import (
     batched_verify_cost,
     packed_verify_cost,
 )
-from knapspec.decoding.batch_pricing import RoundPrices, row_attention_cost
+from knapspec.decoding.batch_pricing import PLAIN_SAMPLES, RoundPrices, row_attention_cost
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.decoding.run import GenerationResult
 from knapspec.decoding.verify import Verdict
@@ -326,20 +326,42 @@ def test_the_cost_model_policy_drafts_a_small_batch_and_not_a_large_one() -> Non
     assert policy.draft_lengths([0, 1], [_proposal(), Draft((), LOOKUP)], [50, 60]) == [2, 0]
 
 
-def test_pass_calibration_averages_each_size_and_borrows_the_nearest() -> None:
-    calibration = BatchPassCalibration(smoothing=0.5)
+def test_pass_calibration_takes_each_size_s_median_and_borrows_the_nearest() -> None:
+    calibration = BatchPassCalibration(window=3)
     assert calibration.factor(8) == 1.0  # nothing seen: the cost model as it is
     calibration.observe(8, predicted=0.2, seconds=0.2)
     calibration.observe(40, predicted=0.4, seconds=0.8)
     calibration.observe(40, predicted=0.4, seconds=0.4)
     assert calibration.factor(8) == pytest.approx(1.0)
-    assert calibration.factor(40) == pytest.approx(1.5)  # 2.0, then halfway to 1.0
+    assert calibration.factor(40) == pytest.approx(1.5)  # the median of 2.0 and 1.0
     assert calibration.factor(32) == pytest.approx(1.5)  # nearest seen size: 40
     assert calibration.factor(12) == pytest.approx(1.0)  # nearest seen size: 8
+    calibration.observe(40, predicted=0.4, seconds=0.36)
+    assert calibration.factor(40) == pytest.approx(1.0)  # median of 2.0, 1.0, 0.9
+    calibration.observe(40, predicted=0.4, seconds=0.36)
+    assert calibration.factor(40) == pytest.approx(0.9)  # the window dropped the 2.0
     calibration.observe(16, predicted=0.0, seconds=0.3)  # nothing to learn from
     assert 16 not in calibration.ratios
-    with pytest.raises(ValueError, match="smoothing"):
-        BatchPassCalibration(smoothing=0.0)
+    with pytest.raises(ValueError, match="window"):
+        BatchPassCalibration(window=0)
+
+
+@given(
+    first=st.floats(2.0, 20.0),
+    later=st.lists(st.floats(0.8, 1.2), min_size=2, max_size=30),
+)
+def test_one_slow_first_pass_does_not_price_a_size_for_good(
+    first: float, later: list[float]
+) -> None:
+    """The first pass at a new row count may run many times slower (buffers of a new
+    size); two ordinary passes later the correction is an ordinary one again, and it
+    stays within the ordinary ones' range (an average seeded by the first pass stayed
+    above 2 for good)."""
+    calibration = BatchPassCalibration()
+    calibration.observe(16, predicted=0.03, seconds=0.03 * first)
+    for ratio in later:
+        calibration.observe(16, predicted=0.03, seconds=0.03 * ratio)
+    assert min(later) - 1e-9 <= calibration.factor(16) <= max(later) + 1e-9
 
 
 def test_a_wide_pass_that_ran_dear_stops_the_batch_drafting() -> None:
@@ -369,25 +391,28 @@ def test_a_wide_pass_that_ran_dear_stops_the_batch_drafting() -> None:
     assert decoder._batch_calibration is not learned
 
 
-def test_a_plain_pass_never_run_is_run_once_before_drafting_at_that_row_count() -> None:
-    """With no plain pass of 4 rows measured, the round the search would draft runs
-    plain; measured, the policy drafts where the measurement leaves drafting ahead, and
-    a plain pass measured far cheaper than its borrowed price keeps it plain."""
+def test_plain_passes_run_before_drafting_at_a_row_count_until_their_price_is_known() -> None:
+    """With fewer than PLAIN_SAMPLES plain passes of 4 rows measured, the round the search
+    would draft runs plain; measured, the policy drafts where the measurement leaves
+    drafting ahead, and plain passes measured far cheaper than their borrowed price keep
+    it plain."""
     costs = _width_costs(flat=16)
     policy = CostModelBatchPolicy(costs, max_draft_length=3)
     policy.reset(4)
     rows, proposals = list(range(4)), [_proposal()] * 4
-    assert policy.plan_round(rows, proposals, [100] * 4, [3] * 4).draft_lengths == (0,) * 4
-    assert policy.last_tokens_per_second["proposals"] > policy.last_tokens_per_second["plain"]
-    policy.observe_pass(4, 1, 100, batched_verify_cost(costs, 4, 1, 100))  # as predicted
-    assert policy.calibration.plain_rows == {4}
+    for _ in range(PLAIN_SAMPLES):  # plain until its price rests on PLAIN_SAMPLES passes
+        assert policy.plan_round(rows, proposals, [100] * 4, [3] * 4).draft_lengths == (0,) * 4
+        assert policy.last_tokens_per_second["proposals"] > policy.last_tokens_per_second["plain"]
+        policy.observe_pass(4, 1, 100, batched_verify_cost(costs, 4, 1, 100))  # as predicted
+    assert policy.calibration.plain_passes == {4: PLAIN_SAMPLES}
     assert policy.plan_round(rows, proposals, [100] * 4, [3] * 4).draft_lengths == (3,) * 4
     # Three rows, drafted passes measured dear (2x): once the plain pass has run, at a
     # tenth of the price it borrowed from them, every round of three stays plain.
     for extra in range(1, 10):
         widths = [1 + extra, 1, 1]
         policy.observe_pass(3, max(widths), 100, 2 * packed_verify_cost(costs, widths, 100))
-    policy.observe_pass(3, 1, 100, 0.2 * batched_verify_cost(costs, 3, 1, 100))
+    for _ in range(PLAIN_SAMPLES):
+        policy.observe_pass(3, 1, 100, 0.2 * batched_verify_cost(costs, 3, 1, 100))
     assert policy.plan_round(rows[:3], proposals[:3], [100] * 3, [3] * 3).draft_lengths == (0,) * 3
     # (the best allocation is now none: the plain round itself)
     assert policy.last_tokens_per_second["proposals"] == policy.last_tokens_per_second["plain"]

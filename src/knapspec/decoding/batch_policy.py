@@ -212,9 +212,10 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         draft_calibration: the same for batched sub-network steps (keyed by rows).
         lookup: whether rows may draft their proposals (lookup's or any drafter's that
             proposes before planning; False: the shared sub-network only).
-        explore_plain: where a round would draft but the plain pass of that many rows has
-            never run, run it plain once first (its price is otherwise borrowed from
-            drafted passes; :class:`BatchPassCalibration`).
+        explore_plain: where a round would draft but fewer than
+            :data:`~knapspec.decoding.batch_pricing.PLAIN_SAMPLES` plain passes of that many
+            rows have run, run it plain (its price is otherwise borrowed from drafted
+            passes, or rests on one sample; :class:`BatchPassCalibration`).
     """
 
     def __init__(
@@ -352,10 +353,10 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         self.last_tokens_per_second = best_of
         if best_tpt < (1.0 + self.margin) * plain:
             return nothing
-        if self.explore_plain and count not in self.calibration.plain_rows:
-            # The plain pass of this many rows has never run, so its price is borrowed
-            # from drafted passes (:class:`BatchPassCalibration`): run it once and
-            # compare measured with measured from the next round on.
+        if self.explore_plain and not self.calibration.plain_known(count):
+            # Too few plain passes of this many rows have run, so their price is borrowed
+            # from drafted passes or rests on one sample (:class:`BatchPassCalibration`):
+            # run plain until measured can be compared with measured.
             return nothing
         return best_plan
 
@@ -401,7 +402,7 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         predicted = packed_verify_cost(self.cost_model, row_widths, context)
         self.calibration.observe(sum(row_widths), predicted, seconds)
         if max(row_widths) == 1:
-            self.calibration.plain_rows.add(len(row_widths))
+            self.calibration.observe_plain(len(row_widths))
 
     def observe_subnetwork(self, row: int, drafted: int, accepted: int) -> None:
         if self.subnetwork_acceptance:

@@ -13,6 +13,8 @@ learned online (:class:`BatchPassCalibration`), and one round's queries are made
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Sequence
 
 import attrs
@@ -20,7 +22,6 @@ import attrs
 from knapspec.costmodels.base import CostModel
 from knapspec.model.batched import splits_attention
 from knapspec.types import SublayerMask
-from knapspec.validators import unit_interval
 
 
 def batched_verify_cost(cost_model: CostModel, rows: int, tokens: int, context: int) -> float:
@@ -60,6 +61,11 @@ def batched_draft_cost(cost_model: CostModel, mask: SublayerMask, rows: int, con
     return products * scale + rows * max(attention, 0.0)
 
 
+#: Plain passes of a row count the policy runs before it trusts their price
+#: (:attr:`BatchPassCalibration.plain_passes`): the median of three survives one outlier.
+PLAIN_SAMPLES = 3
+
+
 @attrs.define
 class BatchPassCalibration:
     """Measured / predicted seconds of batched verification passes, learned online.
@@ -68,39 +74,57 @@ class BatchPassCalibration:
     each row attending over its own cache) runs other kernel shapes. On a 2-core AMD EPYC
     the prediction was up to 1.5x low for 8 rows × 5 tokens at 2k context and right for
     8 rows × 1 token, so uncorrected the policy drafted where drafting lost. Each pass's
-    ratio enters an exponential average keyed by the pass's total real tokens ``Σ widths``;
-    a size not seen yet borrows the ratio of the nearest size seen (in log scale), and
-    before any pass the ratio is 1 (the cost model as it is). A draft the cost model makes
-    look cheap is thus tried, then priced by what it really cost.
+    ratio is kept per total real tokens ``Σ widths``, and a size's correction is the
+    median of its last ``window`` ratios; a size not seen yet borrows the correction of the
+    nearest size seen (in log scale), and before any pass it is 1 (the cost model as it is).
+    A draft the cost model makes look cheap is thus tried, then priced by what it really
+    cost.
+
+    A median, not an average: the first pass at a new row count can run several times
+    slower than the next (buffers of a new size; 194 ms against 29 for the first 16-row
+    bf16 pass of SmolLM2 on a 2-core AMD EPYC Zen 4), and VM hiccups come in bursts of
+    2-10x. An exponential average seeded by that first pass priced every later 16-row
+    plain pass at 2.3x for good (the policy then always drafted at 16 rows, so no plain
+    pass ever corrected it), and drafting lost 6 % of throughput there.
 
     The one price this cannot learn is that of a pass never run: a plain pass (every row
     one token) of a row count the policy has only drafted at borrows the ratio of drafted
     passes, which on a 2-core AMD EPYC Zen 4 over-priced it (13 rows: predicted 282
-    tok/s, ran ~317), so drafting kept winning on paper. :attr:`plain_rows` records the
-    row counts whose plain pass has run, and the policy runs it once where it has not.
+    tok/s, ran ~317), so drafting kept winning on paper. :attr:`plain_passes` counts the
+    plain passes per row count, and the policy runs one where fewer than
+    :data:`PLAIN_SAMPLES` have run.
 
     Attributes:
-        smoothing: weight of the newest pass in the average, in (0, 1].
-        ratios: total tokens per pass -> smoothed measured / predicted seconds.
-        plain_rows: row counts of the plain passes seen.
+        window: ratios per size the median is taken over (at least 1).
+        ratios: total tokens per pass -> the median measured / predicted seconds.
+        plain_passes: row count -> plain passes seen.
     """
 
-    smoothing: float = attrs.field(default=0.3, validator=unit_interval)
+    window: int = attrs.field(default=9)
     ratios: dict[int, float] = attrs.field(factory=dict)
-    plain_rows: set[int] = attrs.field(factory=set)
+    plain_passes: dict[int, int] = attrs.field(factory=dict)
+    _recent: dict[int, deque[float]] = attrs.field(factory=dict, init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        if self.smoothing <= 0:
-            raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
 
     def observe(self, tokens: int, predicted: float, seconds: float) -> None:
-        """Fold one pass of ``tokens`` total tokens into the average (ignored when either
-        time is not positive: nothing to learn from it)."""
+        """Fold one pass of ``tokens`` total tokens into its size's median (ignored when
+        either time is not positive: nothing to learn from it)."""
         if tokens < 1 or predicted <= 0 or seconds <= 0:
             return
-        ratio = seconds / predicted
-        old = self.ratios.get(tokens)
-        self.ratios[tokens] = ratio if old is None else old + self.smoothing * (ratio - old)
+        recent = self._recent.setdefault(tokens, deque(maxlen=self.window))
+        recent.append(seconds / predicted)
+        self.ratios[tokens] = statistics.median(recent)
+
+    def observe_plain(self, rows: int) -> None:
+        """Count a plain pass (one token a row) of ``rows`` rows."""
+        self.plain_passes[rows] = self.plain_passes.get(rows, 0) + 1
+
+    def plain_known(self, rows: int) -> bool:
+        """Whether enough plain passes of ``rows`` rows ran to trust their price."""
+        return self.plain_passes.get(rows, 0) >= PLAIN_SAMPLES
 
     def factor(self, tokens: int) -> float:
         """The correction for a pass of ``tokens`` total tokens (1.0 before any pass)."""
