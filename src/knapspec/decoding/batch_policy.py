@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from knapspec.costmodels.base import CostModel
-from knapspec.decoding.batch_allocation import best_lookup_allocation
+from knapspec.decoding.batch_allocation import best_lookup_allocation, greedy_order
 from knapspec.decoding.batch_plan import BatchSubnetwork, RoundPlan, SubnetworkAcceptance
 from knapspec.decoding.batch_pricing import (
     BatchPassCalibration,
@@ -336,8 +336,9 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         alphas = [self.subnetwork_acceptance[row].rate for row in rows] if offer else []
         best_tpt, best_plan = plain, nothing
         best_of = {"plain": plain}
+        order = greedy_order(gains, lookup_lengths, longest)  # sorted once, for every cap
         for cap in range(1, longest + 1):
-            tpt, gammas = best_lookup_allocation(gains, lookup_lengths, cap, prices)
+            tpt, gammas = best_lookup_allocation(gains, lookup_lengths, cap, prices, order)
             if tpt > best_of.get("proposals", 0.0):
                 best_of["proposals"] = tpt
             if tpt > best_tpt:

@@ -16,12 +16,17 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
+import numpy as np
 
 from knapspec.costmodels.base import CostModel
-from knapspec.model.batched import splits_attention
+from knapspec.model.batched import SPLIT_PADDING_FACTOR, splits_attention
 from knapspec.types import SublayerMask
+
+FloatArray = np.ndarray[Any, np.dtype[np.float64]]
+IntArray = np.ndarray[Any, np.dtype[np.int64]]
 
 
 def batched_verify_cost(cost_model: CostModel, rows: int, tokens: int, context: int) -> float:
@@ -104,6 +109,8 @@ class BatchPassCalibration:
     ratios: dict[int, float] = attrs.field(factory=dict)
     plain_passes: dict[int, int] = attrs.field(factory=dict)
     _recent: dict[int, deque[float]] = attrs.field(factory=dict, init=False, repr=False)
+    # factor() of sizes not seen: the nearest seen size, until a new size is seen.
+    _nearest: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if self.window < 1:
@@ -114,6 +121,8 @@ class BatchPassCalibration:
         either time is not positive: nothing to learn from it)."""
         if tokens < 1 or predicted <= 0 or seconds <= 0:
             return
+        if tokens not in self._recent:
+            self._nearest.clear()
         recent = self._recent.setdefault(tokens, deque(maxlen=self.window))
         recent.append(seconds / predicted)
         self.ratios[tokens] = statistics.median(recent)
@@ -132,7 +141,10 @@ class BatchPassCalibration:
             return 1.0
         if tokens in self.ratios:
             return self.ratios[tokens]
-        nearest = min(self.ratios, key=lambda seen: (abs(math.log(seen / tokens)), seen))
+        nearest = self._nearest.get(tokens)
+        if nearest is None or nearest not in self.ratios:
+            nearest = min(self.ratios, key=lambda seen: (abs(math.log(seen / tokens)), seen))
+            self._nearest[tokens] = nearest
         return self.ratios[nearest]
 
 
@@ -170,6 +182,10 @@ class RoundPrices:
         # same token counts thousands of times (a 16-row round: 30 ms of Python before).
         self._factors: dict[int, float] = {}
         self._step: float | None = None
+        # The same prices as arrays, for pricing many candidates at once (:meth:`rounds`).
+        self._product_table: FloatArray = np.zeros(1)
+        self._factor_table: FloatArray = np.ones(1)
+        self._attention_table: FloatArray = np.zeros(1)
 
     def attention(self, width: int) -> float:
         """One row's attention seconds at ``width`` new tokens (uncalibrated)."""
@@ -178,6 +194,46 @@ class RoundPrices:
             seconds = row_attention_cost(self.cost_model, width, self.context)
             self._attention[width] = seconds
         return seconds
+
+    def attention_table(self, widest: int) -> FloatArray:
+        """``table[w]`` = :meth:`attention` ``(w)`` for ``w = 0 .. widest`` at least
+        (``table[0]`` unused, 0); kept for the round and grown as asked."""
+        if len(self._attention_table) <= widest:
+            self._attention_table = np.array(
+                [0.0, *(self.attention(w) for w in range(1, widest + 1))]
+            )
+        return self._attention_table
+
+    def _token_tables(self, top: int) -> tuple[FloatArray, FloatArray]:
+        """Products' seconds and calibration factors by total tokens ``0 .. top`` at least
+        (index 0 unused), each value made once a round (the same dicts as :meth:`round`)."""
+        have = len(self._product_table)
+        if have <= top:
+            products, factors = [], []
+            for tokens in range(have, top + 1):
+                value = self._products.get(tokens)
+                if value is None:
+                    value = self._products[tokens] = self.cost_model.verify_cost(tokens, 0)
+                products.append(value)
+                factor = self._factors.get(tokens)
+                if factor is None:
+                    factor = self._factors[tokens] = self.calibration.factor(tokens)
+                factors.append(factor)
+            self._product_table = np.concatenate((self._product_table, products))
+            self._factor_table = np.concatenate((self._factor_table, factors))
+        return self._product_table, self._factor_table
+
+    def rounds(self, tokens: IntArray, widths: IntArray | int, attended: FloatArray) -> FloatArray:
+        """:meth:`round` (no sub-network steps, ``attended`` given) of many candidates at
+        once, element by element the same arithmetic: ``(products + attention) · factor``.
+        Shapes: ``tokens`` (at least 1 each), ``attended`` and (unless an int) ``widths``
+        alike."""
+        products, factors = self._token_tables(int(tokens.max()))
+        width = np.asarray(widths, dtype=np.int64)
+        padded = self.rows * self.attention_table(int(width.max()))[width]
+        splits = (self.rows > 1) & (self.rows * width >= SPLIT_PADDING_FACTOR * tokens)
+        attention = np.where(splits, attended, padded)
+        return (products[tokens] + attention) * factors[tokens]
 
     def round(self, tokens: int, width: int, steps: int, attended: float | None = None) -> float:
         """Seconds of ``steps`` sub-network steps, then a verification of ``tokens`` real
