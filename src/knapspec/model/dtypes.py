@@ -29,6 +29,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -145,9 +146,35 @@ def choose_dtype(
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_root() / "dtype" / f"{digest}.json"
-    cached = cachefiles.read(path, json.loads, "dtype choice")
+    cached = _cached_choice(path, key)
+    if cached is not None:
+        return cached
+    # Two processes starting on an empty cache: one measures, the other waits and reads
+    # its verdict (each timing under the other's load could choose differently, and two
+    # servers of one model would then decode in different dtypes).
+    with cachefiles.exclusive(path):
+        cached = _cached_choice(path, key, quiet=True)
+        if cached is not None:
+            return cached
+        return _measure(model, key, path, units, engine_factory)
+
+
+def _cached_choice(path: Path, key: dict[str, Any], *, quiet: bool = False) -> DtypeChoice | None:
+    """The verdict cached at ``path`` for ``key``, if any."""
+    cached = cachefiles.read(path, json.loads, "dtype choice", quiet=quiet)
     if isinstance(cached, dict) and cached.get("key") == key and cached.get("dtype") in DTYPES:
         return DtypeChoice(DTYPES[cached["dtype"]], str(cached.get("reason", "cached")))
+    return None
+
+
+def _measure(
+    model: torch.nn.Module,
+    key: dict[str, Any],
+    path: Path,
+    units: tuple[str, ...],
+    engine_factory: Callable[[torch.nn.Module], Any] | None,
+) -> DtypeChoice:
+    """Time both dtypes (module docstring) and cache the verdict at ``path``."""
     if engine_factory is None:
         from knapspec.model.engine import SublayerEngine
 
