@@ -19,15 +19,14 @@ import argparse
 import json
 import re
 import statistics
-import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from knapspec.bench.env import environment
+from knapspec.bench.prompts import chat_prompt
 from knapspec.bench.specbench.questions import load_questions, packaged_questions
-from knapspec.decoding.continuous import RowRequest
+from knapspec.bench.timing import batched_round_seconds
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.model.engine import SublayerEngine
 from knapspec.model.machine import host_cpu_model
@@ -42,34 +41,6 @@ def _set(engine: SublayerEngine, on: bool, built: tuple[bool, bool, bool]) -> No
     engine.compiled_norms, engine.compiled_rotary, engine.compiled_writes = (
         built if on else (False, False, False)
     )
-
-
-def _rounds(
-    decoder: SpeculativeDecoder, prompts: list[list[int]], warm: int, timed: int
-) -> list[float]:
-    """Seconds of ``timed`` plain batched rounds of ``prompts`` after ``warm`` rounds."""
-    batch = decoder.continuous_batch(len(prompts), 2048)
-    for prompt in prompts:
-        batch.add(RowRequest(prompt, warm + timed + 8))
-    for _ in range(warm):
-        batch.step()
-    seconds = []
-    for _ in range(timed):
-        started = time.perf_counter()
-        batch.step()
-        seconds.append(time.perf_counter() - started)
-    return seconds
-
-
-def _chat_ids(tokenizer: Any, question: str) -> list[int]:
-    """A Spec-Bench first turn as the chat template's token ids."""
-    encoded = tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}],
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=True,
-    )
-    return list(encoded["input_ids"])
 
 
 def main() -> None:
@@ -97,12 +68,12 @@ def main() -> None:
     env = {**environment(model, args.threads), "dtype": args.dtype, "built": built}
     lines: list[dict[str, object]] = []
     for rows in args.rows:
-        prompts = [_chat_ids(tokenizer, question) for question in questions[:rows]]
+        prompts = [chat_prompt(tokenizer, question, "").tolist() for question in questions[:rows]]
         timings: dict[bool, list[float]] = {True: [], False: []}
         for block in range(2 * args.blocks):
             on = block % 2 == 0
             _set(engine, on, built)
-            timings[on] += _rounds(decoder, prompts, warm=5, timed=args.rounds)
+            timings[on] += batched_round_seconds(decoder, prompts, warm=5, timed=args.rounds)
         _set(engine, True, built)
         medians = {}
         for on, seconds in timings.items():

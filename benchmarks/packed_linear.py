@@ -26,14 +26,14 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import attrs
 import torch
 
 from knapspec.bench.env import environment
+from knapspec.bench.prompts import chat_prompt
 from knapspec.bench.specbench.questions import load_questions, packaged_questions
-from knapspec.decoding.continuous import RowRequest
+from knapspec.bench.timing import batched_round_seconds
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.model.engine import SublayerEngine
 from knapspec.model.kernels import PACKED_KERNEL, ROW_LINEAR_KERNEL, KernelTable
@@ -55,23 +55,6 @@ def _swapped(table: KernelTable) -> KernelTable:
     )
 
 
-def _rounds(
-    decoder: SpeculativeDecoder, prompts: list[list[int]], warm: int, timed: int
-) -> list[float]:
-    """Seconds of ``timed`` plain batched rounds of ``prompts`` after ``warm`` rounds."""
-    batch = decoder.continuous_batch(len(prompts), 2048)
-    for prompt in prompts:
-        batch.add(RowRequest(prompt, warm + timed + 8))
-    for _ in range(warm):
-        batch.step()
-    seconds = []
-    for _ in range(timed):
-        started = time.perf_counter()
-        batch.step()
-        seconds.append(time.perf_counter() - started)
-    return seconds
-
-
 def _prefills(engine: SublayerEngine, prompt: torch.Tensor, times: int) -> list[float]:
     """Seconds of ``times`` chunk-invariant prefills of ``prompt`` (after one warm-up)."""
     seconds = []
@@ -83,17 +66,6 @@ def _prefills(engine: SublayerEngine, prompt: torch.Tensor, times: int) -> list[
             if index:
                 seconds.append(time.perf_counter() - started)
     return seconds
-
-
-def _chat_ids(tokenizer: Any, question: str) -> list[int]:
-    """A Spec-Bench first turn as the chat template's token ids."""
-    encoded = tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}],
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=True,
-    )
-    return list(encoded["input_ids"])
 
 
 def _interleaved(
@@ -143,9 +115,11 @@ def main() -> None:
     env = {**environment(model, args.threads), "dtype": "bfloat16"}
     cases: dict[str, Callable[[], list[float]]] = {}
     for rows in args.rows:
-        prompts = [_chat_ids(tokenizer, question) for question in questions[:rows]]
-        cases[f"round-{rows}"] = lambda p=prompts: _rounds(decoder, p, warm=5, timed=args.rounds)
-    longest = max((_chat_ids(tokenizer, q) for q in questions), key=len)
+        prompts = [chat_prompt(tokenizer, question, "").tolist() for question in questions[:rows]]
+        cases[f"round-{rows}"] = lambda p=prompts: batched_round_seconds(
+            decoder, p, warm=5, timed=args.rounds
+        )
+    longest = max((chat_prompt(tokenizer, q, "").tolist() for q in questions), key=len)
     repeated = (longest * (args.prefill_tokens // len(longest) + 1))[: args.prefill_tokens]
     prompt = torch.tensor(repeated)
     engine.enable_chunk_invariance()

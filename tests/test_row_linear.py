@@ -174,22 +174,19 @@ def test_the_probe_offers_it_to_exact_engines() -> None:
     assert ROW_LINEAR_KERNEL in offered | chosen
 
 
-@needs_packed
-def test_the_probe_offers_the_packed_kernel_to_exact_bf16_engines() -> None:
+@pytest.mark.parametrize(
+    ("name", "kernel"),
+    [
+        pytest.param(PACKED_KERNEL, packed_linear, id="packed", marks=needs_packed),
+        pytest.param(AMX_KERNEL, amx_linear, id="amx", marks=needs_amx),
+    ],
+)
+def test_the_probe_offers_the_bf16_kernels_to_exact_bf16_engines(name: str, kernel: Kernel) -> None:
     engine = SublayerEngine(tiny_model("llama").to(torch.bfloat16))
     report = row_invariant_table(engine, engine.kernels, use_cache=False)
-    offered = {name for names in report.timed.values() for name in names}
-    assert PACKED_KERNEL in offered | set(report.kernels.values())
-    assert KERNELS[PACKED_KERNEL] is packed_linear
-
-
-@needs_amx
-def test_the_probe_offers_the_tiles_to_exact_bf16_engines() -> None:
-    engine = SublayerEngine(tiny_model("llama").to(torch.bfloat16))
-    report = row_invariant_table(engine, engine.kernels, use_cache=False)
-    offered = {name for names in report.timed.values() for name in names}
-    assert AMX_KERNEL in offered | set(report.kernels.values())
-    assert KERNELS[AMX_KERNEL] is amx_linear
+    offered = {candidate for timed in report.timed.values() for candidate in timed}
+    assert name in offered | set(report.kernels.values())
+    assert KERNELS[name] is kernel
 
 
 def test_without_a_compiler_it_falls_back_to_one_row_at_a_time(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,6 +20,9 @@ from torch import nn
 from knapspec.model.cache import KVCache
 from knapspec.model.engine import SublayerEngine
 from knapspec.types import SublayerMask
+
+if TYPE_CHECKING:
+    from knapspec.decoding.decoder import SpeculativeDecoder
 
 
 def _synchronize(device: torch.device) -> None:
@@ -122,7 +126,29 @@ def hf_verify_seconds(
     return results
 
 
+def batched_round_seconds(
+    decoder: SpeculativeDecoder, prompts: Sequence[Sequence[int]], *, warm: int, timed: int
+) -> list[float]:
+    """Seconds of ``timed`` batched rounds over ``prompts`` (one row each, in one
+    continuous batch) after ``warm`` untimed rounds; the rows' limit leaves room for all
+    of them. With the autoregressive planner every round is a plain one."""
+    from knapspec.decoding.continuous import RowRequest
+
+    batch = decoder.continuous_batch(len(prompts), 2048)
+    for prompt in prompts:
+        batch.add(RowRequest(list(prompt), warm + timed + 8))
+    for _ in range(warm):
+        batch.step()
+    seconds = []
+    for _ in range(timed):
+        started = time.perf_counter()
+        batch.step()
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
 __all__ = [
+    "batched_round_seconds",
     "engine_step_seconds",
     "engine_verify_seconds",
     "filled_cache",
