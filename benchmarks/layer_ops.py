@@ -25,8 +25,9 @@ import torch
 
 from knapspec.bench.env import environment
 from knapspec.bench.prompts import chat_prompt
+from knapspec.bench.records import append_jsonl
 from knapspec.bench.specbench.questions import load_questions, packaged_questions
-from knapspec.bench.timing import batched_round_seconds
+from knapspec.bench.timing import batched_round_seconds, spread_ms
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.model.engine import SublayerEngine
 from knapspec.model.machine import host_cpu_model
@@ -77,18 +78,16 @@ def main() -> None:
         _set(engine, True, built)
         medians = {}
         for on, seconds in timings.items():
-            ms = sorted(s * 1e3 for s in seconds)
-            medians[on] = statistics.median(ms)
+            spread = spread_ms(seconds)
+            medians[on] = statistics.median(seconds) * 1e3
             lines.append(
                 {
                     **env,
                     "kind": "round",
                     "rows": rows,
                     "compiled_layer_ops": on,
-                    "rounds": len(ms),
-                    "median_ms": round(medians[on], 2),
-                    "p10_ms": round(ms[len(ms) // 10], 2),
-                    "p90_ms": round(ms[(9 * len(ms)) // 10], 2),
+                    "rounds": len(seconds),
+                    **spread,
                 }
             )
         summary = {
@@ -103,9 +102,8 @@ def main() -> None:
             f"({summary['off_over_on']}x)",
             flush=True,
         )
-    with output.open("a") as handle:
-        for line in lines:
-            handle.write(json.dumps(line) + "\n")
+    for line in lines:
+        append_jsonl(output, json.dumps(line))
     print(f"wrote {len(lines)} lines to {output}")
 
 

@@ -32,8 +32,9 @@ import torch
 
 from knapspec.bench.env import environment
 from knapspec.bench.prompts import chat_prompt
+from knapspec.bench.records import append_jsonl
 from knapspec.bench.specbench.questions import load_questions, packaged_questions
-from knapspec.bench.timing import batched_round_seconds
+from knapspec.bench.timing import batched_round_seconds, spread_ms
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.model.engine import SublayerEngine
 from knapspec.model.kernels import PACKED_KERNEL, ROW_LINEAR_KERNEL, KernelTable
@@ -129,19 +130,9 @@ def main() -> None:
         timings = _interleaved(engine, tables, args.blocks, measure)
         medians = {}
         for kernel, seconds in timings.items():
-            ms = sorted(s * 1e3 for s in seconds)
-            medians[kernel] = statistics.median(ms)
-            lines.append(
-                {
-                    **env,
-                    "kind": case,
-                    "kernel": kernel,
-                    "samples": len(ms),
-                    "median_ms": round(medians[kernel], 2),
-                    "p10_ms": round(ms[len(ms) // 10], 2),
-                    "p90_ms": round(ms[(9 * len(ms)) // 10], 2),
-                }
-            )
+            medians[kernel] = statistics.median(seconds) * 1e3
+            spread = spread_ms(seconds)
+            lines.append({**env, "kind": case, "kernel": kernel, "samples": len(seconds), **spread})
         ratio = medians[ROW_LINEAR_KERNEL] / medians[PACKED_KERNEL]
         lines.append({**env, "kind": "summary", "case": case, "row_over_packed": round(ratio, 3)})
         print(
@@ -149,9 +140,8 @@ def main() -> None:
             f"{medians[ROW_LINEAR_KERNEL]:8.1f} ms ({ratio:.2f}x)",
             flush=True,
         )
-    with output.open("a") as handle:
-        for line in lines:
-            handle.write(json.dumps(line) + "\n")
+    for line in lines:
+        append_jsonl(output, json.dumps(line))
     print(f"wrote {len(lines)} lines to {output}")
 
 

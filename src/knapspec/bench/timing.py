@@ -126,6 +126,17 @@ def hf_verify_seconds(
     return results
 
 
+def spread_ms(seconds: Sequence[float]) -> dict[str, float]:
+    """``median_ms``, ``p10_ms`` and ``p90_ms`` of ``seconds`` (rounded to 0.01 ms), the
+    spread the A/B benchmarks write per setting."""
+    ms = sorted(s * 1e3 for s in seconds)
+    return {
+        "median_ms": round(statistics.median(ms), 2),
+        "p10_ms": round(ms[len(ms) // 10], 2),
+        "p90_ms": round(ms[(9 * len(ms)) // 10], 2),
+    }
+
+
 def batched_round_seconds(
     decoder: SpeculativeDecoder, prompts: Sequence[Sequence[int]], *, warm: int, timed: int
 ) -> list[float]:
@@ -154,4 +165,5 @@ __all__ = [
     "filled_cache",
     "hf_verify_seconds",
     "median_seconds",
+    "spread_ms",
 ]

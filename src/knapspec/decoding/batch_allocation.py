@@ -16,14 +16,10 @@ a 2-core AMD EPYC Zen 4, drafted or not.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
-from knapspec.decoding.batch_pricing import RoundPrices
-
-FloatArray = np.ndarray[Any, np.dtype[np.float64]]
-IntArray = np.ndarray[Any, np.dtype[np.int64]]
+from knapspec.decoding.batch_pricing import FloatArray, IntArray, RoundPrices
 
 #: Rows tried as the one drafting the cap in the lookup search (those of the largest gain
 #: at the cap): every row in batches up to this size.

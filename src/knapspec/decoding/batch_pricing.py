@@ -142,7 +142,7 @@ class BatchPassCalibration:
         if tokens in self.ratios:
             return self.ratios[tokens]
         nearest = self._nearest.get(tokens)
-        if nearest is None or nearest not in self.ratios:
+        if nearest is None:
             nearest = min(self.ratios, key=lambda seen: (abs(math.log(seen / tokens)), seen))
             self._nearest[tokens] = nearest
         return self.ratios[nearest]
