@@ -414,8 +414,10 @@ def test_plain_passes_run_before_drafting_at_a_row_count_until_their_price_is_kn
     for _ in range(PLAIN_SAMPLES):
         policy.observe_pass(3, 1, 100, 0.2 * batched_verify_cost(costs, 3, 1, 100))
     assert policy.plan_round(rows[:3], proposals[:3], [100] * 3, [3] * 3).draft_lengths == (0,) * 3
-    # (the best allocation is now none: the plain round itself)
-    assert policy.last_tokens_per_second["proposals"] == policy.last_tokens_per_second["plain"]
+    # (the best allocation is now none: the plain round itself; or the search was skipped,
+    # its bound below the plain round's)
+    plain = policy.last_tokens_per_second["plain"]
+    assert policy.last_tokens_per_second.get("proposals", plain) == plain
     # Without exploration, the borrowed price decides at once.
     eager = CostModelBatchPolicy(costs, max_draft_length=3, explore_plain=False)
     eager.reset(4)

@@ -16,6 +16,7 @@ from knapspec.decoding.batch_allocation import (
     FloatArray,
     best_lookup_allocation,
     greedy_order,
+    lookup_bound,
 )
 from knapspec.decoding.batch_pricing import BatchPassCalibration, RoundPrices
 from knapspec.planners.objective import chained_expected_tokens
@@ -93,7 +94,9 @@ def loop_allocation(
     per_context=st.floats(0.0, 0.01),
     context=st.integers(1, 4000),
     calibrated=st.lists(
-        st.tuples(st.integers(1, 200), st.floats(0.5, 3.0)), min_size=0, max_size=6
+        st.tuples(st.integers(1, 12), st.integers(1, 200), st.floats(0.5, 3.0)),
+        min_size=0,
+        max_size=6,
     ),
 )
 def test_the_vectorised_search_is_the_loop_bitwise(
@@ -103,7 +106,7 @@ def test_the_vectorised_search_is_the_loop_bitwise(
     per_token: float,
     per_context: float,
     context: int,
-    calibrated: list[tuple[int, float]],
+    calibrated: list[tuple[int, int, float]],
 ) -> None:
     class Costs(VerifyCurveCostModel):
         def verify_cost(self, tokens: int, context_length: int) -> float:
@@ -111,8 +114,8 @@ def test_the_vectorised_search_is_the_loop_bitwise(
 
     costs = Costs(lambda tokens: 1.0)
     calibration = BatchPassCalibration()
-    for tokens, ratio in calibrated:
-        calibration.observe(tokens, predicted=1.0, seconds=ratio)
+    for rows, tokens, ratio in calibrated:
+        calibration.observe(tokens, predicted=1.0, seconds=ratio, rows=rows)
     gains = [chained_expected_tokens(row) for row in rates]
     lengths = [len(row) for row in rates]
 
@@ -128,3 +131,5 @@ def test_the_vectorised_search_is_the_loop_bitwise(
     assert got[0] == expected[0] or (math.isnan(got[0]) and math.isnan(expected[0]))
     assert all(0 <= g <= min(cap, n) for g, n in zip(got[1], lengths, strict=True))
     assert isinstance(got[0], float) and np.isfinite(got[0])
+    # The bound the policy skips the search with is one: no allocation beats it.
+    assert lookup_bound(len(rates), wider, prices()) >= got[0] * (1 - 1e-12)

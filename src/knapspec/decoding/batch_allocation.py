@@ -56,6 +56,23 @@ def greedy_order(gains: Sequence[FloatArray], lengths: Sequence[int], cap: int) 
     return value[order], np.concatenate(rows)[order], np.concatenate(depths)[order]
 
 
+def lookup_bound(count: int, order: GreedyOrder, prices: RoundPrices) -> float:
+    """An upper bound on the tokens per second of every lookup allocation the search
+    (:func:`best_lookup_allocation`, any cap) can choose from ``order``.
+
+    Any ``m`` drafted tokens bring at most the ``m`` largest increments (each row's fall
+    along it), and a pass of ``count + m`` tokens costs at least its products and every
+    row's attention at width 1 (attention grows with the width). Where even this bound
+    does not beat the plain step by the policy's margin, the search is skipped: at 16 rows
+    it had cost 2 ms of a 35 ms round on a 2-core AMD EPYC Zen 4, drafted or not.
+    """
+    increments = order[0]
+    tokens = np.cumsum(np.concatenate(([float(count)], increments)))
+    real = count + np.arange(len(increments) + 1)
+    attended = np.full(len(real), count * float(prices.attention_table(1)[1]))
+    return float(np.max(tokens / prices.rounds(real, 1, attended)))
+
+
 def best_lookup_allocation(
     gains: Sequence[FloatArray],
     lengths: Sequence[int],
@@ -130,4 +147,10 @@ def best_lookup_allocation(
     return best_tpt, [int(g) for g in gammas]
 
 
-__all__ = ["ANCHOR_ROWS", "GreedyOrder", "best_lookup_allocation", "greedy_order"]
+__all__ = [
+    "ANCHOR_ROWS",
+    "GreedyOrder",
+    "best_lookup_allocation",
+    "greedy_order",
+    "lookup_bound",
+]

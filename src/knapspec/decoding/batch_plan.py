@@ -4,6 +4,7 @@ acceptance of it, and the round's plan."""
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 
 import attrs
@@ -66,6 +67,55 @@ class SubnetworkAcceptance:
         self.rejections += int(accepted < drafted)
 
 
+@attrs.define
+class DraftRealism:
+    """How many of the extra tokens the policy expected of the lookup drafts it chose were
+    committed: ``Σ realized / Σ expected`` over the last ``window`` drafted rows.
+
+    The policy drafts the rows and lengths whose estimated gains are largest, so the
+    estimates it acts on are the lucky ones (the winner's curse), and a fresh row's
+    estimates are its priors. In closed bursts of 16 requests on a 2-core AMD EPYC Zen 4
+    (SmolLM2, bf16) the chosen drafts brought 11 % fewer tokens than expected, and with
+    the pass priced 7 % low drafting looked 18 % better than plain decoding where it ran
+    1 % worse. Scaling every row's extra tokens by this factor turns the search's estimates
+    into what the chosen drafts have delivered.
+
+    Attributes:
+        window: drafted rows the factor is taken over.
+        min_expected: expected extra tokens seen before the factor departs from 1.
+        low, high: bounds of the factor (one unlucky stretch does not stop drafting for
+            good: a draft priced at a quarter of its estimate still runs where it pays).
+    """
+
+    window: int = attrs.field(default=256, validator=interval(1, math.inf))
+    min_expected: float = attrs.field(default=16.0, validator=interval(0.0, math.inf))
+    low: float = attrs.field(default=0.25, validator=interval(0.0, 1.0, low_open=True))
+    high: float = attrs.field(default=1.5, validator=interval(1.0, math.inf))
+    _recent: deque[tuple[float, int]] = attrs.field(init=False, repr=False)
+    _expected: float = attrs.field(default=0.0, init=False, repr=False)
+    _realized: int = attrs.field(default=0, init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._recent = deque()
+
+    def observe(self, expected: float, realized: int) -> None:
+        """One drafted row's round: ``expected`` extra tokens, ``realized`` committed
+        past the first."""
+        self._recent.append((expected, realized))
+        self._expected += expected
+        self._realized += realized
+        if len(self._recent) > self.window:
+            old_expected, old_realized = self._recent.popleft()
+            self._expected -= old_expected
+            self._realized -= old_realized
+
+    def factor(self) -> float:
+        """The scale of the extra tokens (1.0 until ``min_expected`` were expected)."""
+        if self._expected < max(self.min_expected, 1e-9):
+            return 1.0
+        return min(max(self._realized / self._expected, self.low), self.high)
+
+
 @attrs.frozen
 class RoundPlan:
     """What a batched round drafts, per active row (in the step's order).
@@ -93,4 +143,4 @@ class RoundPlan:
         )
 
 
-__all__ = ["BatchSubnetwork", "RoundPlan", "SubnetworkAcceptance"]
+__all__ = ["BatchSubnetwork", "DraftRealism", "RoundPlan", "SubnetworkAcceptance"]

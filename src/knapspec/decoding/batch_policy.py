@@ -51,8 +51,13 @@ from typing import Any
 import numpy as np
 
 from knapspec.costmodels.base import CostModel
-from knapspec.decoding.batch_allocation import best_lookup_allocation, greedy_order
-from knapspec.decoding.batch_plan import BatchSubnetwork, RoundPlan, SubnetworkAcceptance
+from knapspec.decoding.batch_allocation import best_lookup_allocation, greedy_order, lookup_bound
+from knapspec.decoding.batch_plan import (
+    BatchSubnetwork,
+    DraftRealism,
+    RoundPlan,
+    SubnetworkAcceptance,
+)
 from knapspec.decoding.batch_pricing import (
     BatchPassCalibration,
     RoundPrices,
@@ -216,6 +221,9 @@ class CostModelBatchPolicy(BatchDraftPolicy):
             :data:`~knapspec.decoding.batch_pricing.PLAIN_SAMPLES` plain passes of that many
             rows have run, run it plain (its price is otherwise borrowed from drafted
             passes, or rests on one sample; :class:`BatchPassCalibration`).
+        realism: how many of the extra tokens the chosen lookup drafts were expected to
+            bring they did bring (:class:`DraftRealism`); pass the same object to the next
+            batch's policy to keep it (the decoder does).
     """
 
     def __init__(
@@ -228,6 +236,7 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         *,
         lookup: bool = True,
         explore_plain: bool = True,
+        realism: DraftRealism | None = None,
     ) -> None:
         if max_draft_length < 1:
             raise ValueError(f"max_draft_length must be >= 1, got {max_draft_length}")
@@ -244,6 +253,9 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         )
         self.acceptance: list[LookupAcceptance] = []
         self.subnetwork_acceptance: list[SubnetworkAcceptance] = []
+        self.realism = realism if realism is not None else DraftRealism()
+        # Row -> the extra tokens (E_r(γ_r) - 1) the last plan expected of its lookup draft.
+        self._expected: dict[int, float] = {}
         #: The last round's predicted tokens per second: ``"plain"`` (γ = 0) and the best
         #: round found with the rows' ``"proposals"`` / the shared drafter's (by its name,
         #: ``"subnetwork"``) drafts (diagnostics).
@@ -253,6 +265,7 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         self.acceptance = [LookupAcceptance() for _ in range(rows)]
         self.subnetwork_acceptance = []
         self.subnetwork = None
+        self._expected = {}
 
     def use_subnetwork(self, subnetwork: BatchSubnetwork | None) -> None:
         self.subnetwork = subnetwork
@@ -282,7 +295,9 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         self, rows: Sequence[int], proposals: Sequence[Draft]
     ) -> tuple[list[FloatArray], list[int]]:
         """Per row, expected committed tokens by lookup γ (``gain[k]``), and the most
-        lookup tokens it can draft."""
+        lookup tokens it can draft. The extra tokens past the one a round always commits
+        are scaled by :attr:`realism`'s factor."""
+        realism = self.realism.factor()
         gains: list[FloatArray] = []
         lengths: list[int] = []
         for row, proposal in zip(rows, proposals, strict=True):
@@ -293,7 +308,7 @@ class CostModelBatchPolicy(BatchDraftPolicy):
                 continue
             estimator = self.acceptance[row]
             rates = estimator.conditional(estimator.bucket(proposal.match_length), length)
-            gains.append(chained_expected_tokens(rates))
+            gains.append(1.0 + realism * (chained_expected_tokens(rates) - 1.0))
         return gains, lengths
 
     def _search(
@@ -337,6 +352,9 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         best_tpt, best_plan = plain, nothing
         best_of = {"plain": plain}
         order = greedy_order(gains, lookup_lengths, longest)  # sorted once, for every cap
+        if offer is None and lookup_bound(count, order, prices) < (1.0 + self.margin) * plain:
+            self.last_tokens_per_second = best_of
+            return nothing
         for cap in range(1, longest + 1):
             tpt, gammas = best_lookup_allocation(gains, lookup_lengths, cap, prices, order)
             if tpt > best_of.get("proposals", 0.0):
@@ -359,6 +377,11 @@ class CostModelBatchPolicy(BatchDraftPolicy):
             # from drafted passes or rests on one sample (:class:`BatchPassCalibration`):
             # run plain until measured can be compared with measured.
             return nothing
+        for slot, (row, gamma, sub) in enumerate(
+            zip(rows, best_plan.draft_lengths, best_plan.subnetwork_rows, strict=True)
+        ):
+            if gamma and not sub:
+                self._expected[row] = float(gains[slot][gamma]) - 1.0
         return best_plan
 
     def _subnetwork_option(
@@ -390,6 +413,9 @@ class CostModelBatchPolicy(BatchDraftPolicy):
 
     def observe(self, row: int, proposal: Draft, committed: Sequence[int]) -> None:
         self.acceptance[row].observe_round(proposal.tokens, proposal.match_length, committed)
+        expected = self._expected.pop(row, None)
+        if expected is not None:
+            self.realism.observe(expected, max(len(committed) - 1, 0))
 
     def observe_pass(
         self,
@@ -401,7 +427,7 @@ class CostModelBatchPolicy(BatchDraftPolicy):
     ) -> None:
         row_widths = list(widths) if widths is not None else [width] * rows
         predicted = packed_verify_cost(self.cost_model, row_widths, context)
-        self.calibration.observe(sum(row_widths), predicted, seconds)
+        self.calibration.observe(sum(row_widths), predicted, seconds, rows=len(row_widths))
         if max(row_widths) == 1:
             self.calibration.observe_plain(len(row_widths))
 
@@ -421,6 +447,7 @@ __all__ = [
     "BatchPassCalibration",
     "BatchSubnetwork",
     "CostModelBatchPolicy",
+    "DraftRealism",
     "FixedLookupBatchPolicy",
     "FixedSubnetworkBatchPolicy",
     "PlainBatchPolicy",

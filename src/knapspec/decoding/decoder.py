@@ -53,6 +53,7 @@ from knapspec.decoding.batch_policy import (
     BatchPassCalibration,
     BatchSubnetwork,
     CostModelBatchPolicy,
+    DraftRealism,
     PlainBatchPolicy,
 )
 from knapspec.decoding.continuous import ContinuousBatch
@@ -153,6 +154,8 @@ class SpeculativeDecoder:
         # generate_batch calls (it describes the machine, not the prompts).
         self._batch_calibration = BatchPassCalibration()
         self._batch_draft_calibration = BatchPassCalibration()
+        # How the chosen lookup drafts delivered against their estimates, kept likewise.
+        self._batch_realism = DraftRealism()
         self._calibrated_cost_model = self.cost_model
         #: By registered name, every drafter the planner's plans may name (its
         #: ``plan_drafters()``), built from their ``[drafters.NAME]`` params.
@@ -438,6 +441,7 @@ class SpeculativeDecoder:
             calibration=self._batch_calibration,
             draft_calibration=self._batch_draft_calibration,
             lookup=bool(self.planner.proposal_drafters()),
+            realism=self._batch_realism,
         )
 
     def _batch_subnetwork_planner(
