@@ -8,38 +8,29 @@ for the whole batch, so the decision is made at batch level:
 * :class:`CostModelBatchPolicy` (the default whenever the decoder has a cost model)
   chooses each row's ``γ_r``: drafting ``k`` lookup tokens, row ``r`` commits ``E_r(k)``
   tokens in expectation, from its own online per-bucket acceptance
-  (:class:`~knapspec.drafters.acceptance.LookupAcceptance`, learned in hindsight from
-  every round, drafted or not). The round's cost comes from the cost model's verify
-  costs, split into the part that does not grow with the context and the part that does
-  (:func:`packed_verify_cost`): the linear products see all ``T = Σ_r (1 + γ_r)`` tokens
-  at once, ``verify_cost(T, 0)``, and every row attends over its own cache,
-  ``verify_cost(q, n̄) - verify_cost(q, 0)`` at the rows' mean context ``n̄`` and the
-  padded width ``q`` (its own ``1 + γ_r`` where the pass splits its attention). For
+  (:class:`~knapspec.drafters.acceptance.LookupAcceptance`), the extra tokens scaled by
+  what the chosen drafts have delivered (:class:`DraftRealism`). The round's cost is the
+  cost model's verify cost split into the products over all ``T = Σ_r (1 + γ_r)`` packed
+  tokens and each row's attention over its own cache (:func:`packed_verify_cost`). For
   each cap ``G`` on the padded width it takes the rows' marginal gains
   ``E_r(k) - E_r(k - 1)`` largest first (they fall along each row, so the first ``m``
   are the best ``m`` draft tokens of the batch) and keeps the count of the highest tokens
-  per second ``Σ_r E_r(γ_r) / cost``; a row whose drafts are seldom accepted drafts
-  fewer than one that copies. It drafts only when the best round beats the plain batch
-  step (all ``γ_r = 0``) by ``margin``. The wider the batch, the more a draft token costs
-  relative to what one row gains (the products leave the few-row regime where extra rows
-  are nearly free), so a large batch
-  chooses ``G = 0`` by itself. The cost model prices one sequence; how far a batched pass
-  strays from that price is learned from every pass the batch runs
-  (:class:`BatchPassCalibration`), so a wide draft that proved dear is priced as it ran.
-  With a layer-skipping sub-network on offer (:class:`BatchSubnetwork`, the mask the
-  decoder's planner chose on the batch's first row), every cap ``G`` is also priced with
-  the sub-network drafting up to ``G`` tokens in one batched masked pass per token
-  (:func:`batched_draft_cost`, calibrated like verification) for the rows whose expected
-  tokens ``Σ_{i≤γ} α_r^i`` (per-row acceptance, a Beta estimate around the planner's
-  prediction) beat their lookup allocation's; the other rows keep their lookup tokens.
+  per second ``Σ_r E_r(γ_r) / cost``. It drafts only when the best round beats the plain
+  batch step (all ``γ_r = 0``) by ``margin``; a wide batch, whose products have left the
+  few-row regime where extra tokens are nearly free, chooses ``G = 0`` by itself. How far
+  batched passes stray from the cost model's price is learned from every pass
+  (:class:`BatchPassCalibration`). With a layer-skipping sub-network on offer
+  (:class:`BatchSubnetwork`, the mask the decoder's planner chose on the batch's first
+  row), every cap is also priced with the sub-network drafting up to ``G`` tokens in one
+  batched masked pass per token (:func:`batched_draft_cost`) for the rows whose expected
+  tokens ``Σ_{i≤γ} α_r^i`` beat their lookup allocation's.
 * :class:`FixedLookupBatchPolicy` drafts up to ``k`` lookup tokens in every row with a
-  match (the fixed-length ablation; the tests use it to force ragged acceptance).
+  match (the fixed-length ablation; tests force ragged acceptance with it).
 * :class:`FixedSubnetworkBatchPolicy` drafts ``k`` sub-network tokens in every row (the
   batched counterpart of the static planner; the tests use it to force layer-skip drafts).
 * :class:`PlainBatchPolicy` never drafts.
 
-A round's choice is a :class:`RoundPlan`: each row's γ and whether it drafts with the
-sub-network.
+A round's choice is a :class:`RoundPlan` (each row's γ, and its drafter).
 """
 
 from __future__ import annotations
