@@ -536,11 +536,44 @@ static inline __attribute__((always_inline)) void dp_values(
     }
 }
 
+/* dp_values for 2 or 3 rows (a decode step's rows per K/V head), out of line so that the
+ * 4-row and 1-row paths compile as before. */
+static __attribute__((noinline)) void dp_values_few(
+    const uint16_t *p, int64_t p_stride, const uint16_t *value_tiles_at, int64_t value_tiles,
+    int64_t base, int64_t from, int64_t to, int nr, __m512 acc[][8]) {
+    if (nr == 3)
+        dp_values(p, p_stride, value_tiles_at, value_tiles, base, from, to, 3, 4, acc);
+    else
+        dp_values(p, p_stride, value_tiles_at, value_tiles, base, from, to, 2, 4, acc);
+}
+
+/* dp_scores of 2 or 3 rows over every key block, out of line (as dp_values_few). */
+static __attribute__((noinline)) void dp_scores_few(
+    const uint16_t *q, int64_t q_stride, const uint16_t *key_tiles, int64_t dim_tiles,
+    int64_t pairs, int64_t key_blocks, int nr, float *scores, int64_t padded) {
+    int64_t kb = 0;
+    if (nr == 3) {
+        for (; kb + DP_KEY_BLOCKS <= key_blocks; kb += DP_KEY_BLOCKS)
+            dp_scores(q, q_stride, key_tiles, dim_tiles, pairs, kb, 3, DP_KEY_BLOCKS, scores, padded);
+        for (; kb < key_blocks; kb++)
+            dp_scores(q, q_stride, key_tiles, dim_tiles, pairs, kb, 3, 1, scores, padded);
+    } else {
+        for (; kb + DP_KEY_BLOCKS <= key_blocks; kb += DP_KEY_BLOCKS)
+            dp_scores(q, q_stride, key_tiles, dim_tiles, pairs, kb, 2, DP_KEY_BLOCKS, scores, padded);
+        for (; kb < key_blocks; kb++)
+            dp_scores(q, q_stride, key_tiles, dim_tiles, pairs, kb, 2, 1, scores, padded);
+    }
+}
+
 static void dp_values_any(const uint16_t *p, int64_t p_stride, const uint16_t *value_tiles_at,
                           int64_t value_tiles, int64_t base, int64_t from, int64_t to, int nr,
                           __m512 acc[][8]) {
-    if (nr == DP_ROWS && value_tiles == 4)
-        dp_values(p, p_stride, value_tiles_at, value_tiles, base, from, to, DP_ROWS, 4, acc);
+    /* Rows blocked together share each value load; every (row, tile) chain runs over
+     * the pairs in the same order however many rows share it. */
+    if (nr == 4 && value_tiles == 4)
+        dp_values(p, p_stride, value_tiles_at, value_tiles, base, from, to, 4, 4, acc);
+    else if ((nr == 3 || nr == 2) && value_tiles == 4)
+        dp_values_few(p, p_stride, value_tiles_at, value_tiles, base, from, to, nr, acc);
     else if (nr == 1 && value_tiles == 4)
         dp_values(p, p_stride, value_tiles_at, value_tiles, base, from, to, 1, 4, acc);
     else
@@ -587,6 +620,11 @@ static void attend_task_dpbf16(const uint16_t *query, const uint16_t *keys,
             for (; kb < key_blocks; kb++)
                 dp_scores(q + r0 * head_dim, head_dim, s->key_tiles, dim_tiles, pairs, kb,
                           DP_ROWS, 1, s->scores + r0 * padded, padded);
+        }
+        if (rows - r0 == 3 || rows - r0 == 2) { /* a decode step: 3 or 2 rows per K/V head */
+            dp_scores_few(q + r0 * head_dim, head_dim, s->key_tiles, dim_tiles, pairs, key_blocks,
+                          (int)(rows - r0), s->scores + r0 * padded, padded);
+            r0 = rows;
         }
         for (; r0 < rows; r0++) {
             int64_t kb = 0;
