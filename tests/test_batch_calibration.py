@@ -119,3 +119,19 @@ def test_drafts_that_bring_nothing_stop_the_policy_drafting() -> None:
             policy.observe(row, proposals[row], [1] if length else [7])
     assert policy.draft_lengths([0, 1], proposals, [100, 100]) == [0, 0]
     assert realism.factor() < 0.2
+
+
+def test_a_draft_never_observed_does_not_count_in_a_later_round() -> None:
+    """A drafted row that leaves unobserved (its logits failed) is not paired with the
+    tokens its lane commits in a later round it did not draft."""
+    costs = VerifyCurveCostModel(lambda tokens: 1.0 + 0.1 * tokens)
+    realism = DraftRealism(min_expected=0.0)
+    policy = CostModelBatchPolicy(costs, max_draft_length=4, explore_plain=False, realism=realism)
+    policy.reset(2)
+    assert any(policy.draft_lengths([0, 1], [_proposal(), _proposal()], [100, 100]))
+    # not observed; the next round has nothing to copy, so nobody drafts
+    empty = Draft((), LOOKUP)
+    assert policy.draft_lengths([0, 1], [empty, empty], [100, 100]) == [0, 0]
+    policy.observe(0, empty, [9])
+    policy.observe(1, empty, [9])
+    assert realism.factor() == 1.0  # nothing was paired

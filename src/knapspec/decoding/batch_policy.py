@@ -212,9 +212,8 @@ class CostModelBatchPolicy(BatchDraftPolicy):
             :data:`~knapspec.decoding.batch_pricing.PLAIN_SAMPLES` plain passes of that many
             rows have run, run it plain (its price is otherwise borrowed from drafted
             passes, or rests on one sample; :class:`BatchPassCalibration`).
-        realism: how many of the extra tokens the chosen lookup drafts were expected to
-            bring they did bring (:class:`DraftRealism`); pass the same object to the next
-            batch's policy to keep it (the decoder does).
+        realism: what the chosen lookup drafts brought against their estimates
+            (:class:`DraftRealism`); the decoder passes one object to every batch.
     """
 
     def __init__(
@@ -322,6 +321,7 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         """
         count = len(proposals)
         nothing = RoundPlan.lookup([0] * count)
+        self._expected.clear()  # a row that left unobserved (it failed) leaves nothing stale
         gains, lookup_lengths = self._lookup_gains(rows, proposals)
         offer = self.subnetwork if subnetwork else None
         longest = max(lookup_lengths, default=0)
