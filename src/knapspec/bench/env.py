@@ -65,4 +65,12 @@ def environment(model: Any, threads: int) -> dict[str, Any]:
 def kernel_record(engine: Any) -> dict[str, Any]:
     """The engine's kernel table for a results line: its fingerprint and where it came from
     (the full table goes to ``setup.jsonl``)."""
-    return {"kernel_table": engine.kernels.fingerprint(), "kernel_source": engine.kernels.source}
+    from knapspec.model.prefill_kernels import describe
+
+    prefill = sorted(set(describe(getattr(engine, "_prefill_large", {})).values()))
+    return {
+        "kernel_table": engine.kernels.fingerprint(),
+        "kernel_source": engine.kernels.source,
+        # A cold prefill's many-row products (knapspec.model.prefill_kernels).
+        "prefill_kernels": prefill or ["f.linear"],
+    }

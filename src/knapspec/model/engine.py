@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -39,9 +40,16 @@ from knapspec.model.cache import KVCache
 from knapspec.model.fusion import FusedProjection, fuse_linears
 from knapspec.model.invariance import InvarianceReport, row_invariant_table
 from knapspec.model.kernel_timing import linear_roles
-from knapspec.model.kernels import KERNELS, ONEDNN_KERNEL, PLAIN_KERNEL, Kernel, KernelTable
+from knapspec.model.kernels import (
+    KERNELS,
+    ONEDNN_KERNEL,
+    PLAIN_KERNEL,
+    Kernel,
+    KernelTable,
+)
 from knapspec.model.layer_ops import RotaryFn, apply_norm, rotary_, serves_norms, serves_rotary
 from knapspec.model.onednn import prepack
+from knapspec.model.prefill_kernels import prefill_dispatch
 from knapspec.model.row_attention import (
     EXACT_MAX_QUERIES,
     attend_rows,
@@ -316,23 +324,39 @@ class SublayerEngine:
         )
         self.invariance: InvarianceReport | None = None
         self.use_kernels(KernelTable.plain())
-        table = resolve_kernel_table(self, kernels, progress=progress)
-        # A cold prefill's many-row products keep the measured table's kernels: below.
-        prefill_large = table.large_dispatch()
+        measured = resolve_kernel_table(self, kernels, progress=progress)
+        #: The kernel table before the row-invariance probe (what the clock alone chose; on
+        #: an exact engine its many-row kernels are a cold prefill's other candidate).
+        self.measured_kernels: KernelTable = measured
+        table = measured
         if exact and self.device.type == "cpu":
             self.invariance = row_invariant_table(self, table)
             table = self.invariance.table
         self.use_kernels(table)
         if self.invariance is not None:
             # A cold prefill (a prompt from position 0 while chunk invariance is off) runs
-            # its many-row products through the fastest measured kernels, not the
-            # row-invariant ones: no verification and no one-token step has that shape
-            # (they start past the prompt), plain and speculative decoding share the
-            # prefill, and with chunk invariance on (prefix cache, conversations) every
-            # prefill keeps the row-invariant kernels. On an AMX Xeon a bf16 prefill of
-            # 4,096 tokens took 3.6 s through the row-invariant products, 2.5 s through
-            # the framework's.
-            self._prefill_large = prefill_large
+            # its many-row products through whichever of the measured and the
+            # row-invariant kernels is faster here, timed per shape and prompt length
+            # (:mod:`knapspec.model.prefill_kernels`): no verification and no one-token
+            # step has that shape (they start past the prompt), plain and speculative
+            # decoding share the prefill, and with chunk invariance on (prefix cache,
+            # conversations) every prefill keeps the row-invariant kernels.
+            self._prefill_large = prefill_dispatch(self, measured, table, self._time_cold_prefill)
+
+    def _time_cold_prefill(self, dispatch: Mapping[tuple[int, ...], Kernel], length: int) -> float:
+        """Seconds of one cold prefill of ``length`` tokens (a fixed pseudo-random prompt)
+        with ``dispatch`` as its many-row kernels (:mod:`knapspec.model.prefill_kernels`)."""
+        generator = torch.Generator().manual_seed(length)
+        tokens = torch.randint(0, self.vocab_size, (length,), generator=generator)
+        kept = self._prefill_large
+        self._prefill_large = dict(dispatch)
+        try:
+            cache = self.new_cache(length)
+            start = time.perf_counter()
+            self.forward(tokens, 0, cache, all_logits=False)
+            return time.perf_counter() - start
+        finally:
+            self._prefill_large = kept
 
     @property
     def exact_attention_path(self) -> str | None:
