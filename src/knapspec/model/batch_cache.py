@@ -38,8 +38,12 @@ def zeros_on_demand(
     nbytes = count * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
+    if hasattr(mmap, "MAP_PRIVATE"):  # POSIX: private, as malloc's own large blocks
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    else:  # Windows: an anonymous mapping has no flags (committed on touch as well)
+        mapping = mmap.mmap(-1, nbytes)
     # The tensor's storage keeps the mapping alive (torch.frombuffer holds the buffer).
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=count).view(shape)
+    return torch.frombuffer(mapping, dtype=dtype, count=count).view(shape)
 
 
 class BatchKVCache:
