@@ -26,24 +26,17 @@ from typing import Any
 import torch
 
 from knapspec.bench.env import environment, kernel_record
-from knapspec.bench.prompts import long_input_prompt
+from knapspec.bench.prompts import chat_prompt, long_input_prompt
+from knapspec.bench.specbench.questions import load_questions, packaged_questions
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.model.provision import load_model_and_tokenizer
 
-QUESTIONS = Path(__file__).resolve().parents[1] / "src/knapspec/data/spec_bench/questions-dev.jsonl"
-
 
 def _chat_prompts(tokenizer: Any, count: int) -> list[torch.Tensor]:
-    lines = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()]
-    step = max(1, len(lines) // count)
-    prompts = []
-    for line in lines[::step][:count]:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": line["turns"][0]}], add_generation_prompt=True
-        )
-        ids = ids if isinstance(ids, list) else ids["input_ids"]
-        prompts.append(torch.tensor(ids))
-    return prompts
+    """``count`` Spec-Bench first turns spread over the file (it is grouped by category)."""
+    questions = load_questions(packaged_questions())
+    step = max(1, len(questions) // count)
+    return [chat_prompt(tokenizer, q.turns[0], "") for q in questions[::step][:count]]
 
 
 def main() -> None:
