@@ -208,7 +208,7 @@ class Server:
         )
         self.model = ""
         self.dtype = ""
-        self.weights: dict[str, str] = {}  # a GGUF server's file and its sha256
+        self.details: dict[str, str] = {}  # a GGUF server's file, its sha256, the version
 
     def wait(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -359,7 +359,13 @@ def _llamacpp_server(args: argparse.Namespace, system: str) -> Iterator[Server]:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     server = Server(command, env, port, system)
     server.dtype = dtype
-    server.weights = {"gguf": gguf.name, "sha256": digest}
+    version = subprocess.run(
+        [command[0], "-c", "import importlib.metadata as m; print(m.version('llama_cpp_python'))"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    server.details = {"gguf": gguf.name, "sha256": digest, "engine": f"llama-cpp-python {version}"}
     try:
         server.wait(args.ready_timeout)
         yield server
@@ -445,9 +451,23 @@ async def _passes(
     machine: dict[str, Any],
     output: Path,
 ) -> None:
-    client = openai.AsyncOpenAI(
+    # Closed inside the event loop (left to the garbage collector, its connections are
+    # closed after asyncio.run's loop and print "Event loop is closed" tracebacks).
+    async with openai.AsyncOpenAI(
         base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=3600
-    )
+    ) as client:
+        await _timed_passes(client, server, system, questions, args, machine, output)
+
+
+async def _timed_passes(
+    client: openai.AsyncOpenAI,
+    server: Server,
+    system: str,
+    questions: list[str],
+    args: argparse.Namespace,
+    machine: dict[str, Any],
+    output: Path,
+) -> None:
     await _one(client, server.model, questions[0], 16, {"temperature": 0})  # warm-up
     if args.prefix_pairs:
         _write(output, {**machine, **await _prefix_ttft(client, server, system, args)})
@@ -487,7 +507,7 @@ async def _passes(
                 "system": system,
                 "dtype": server.dtype,
                 "model": server.model,
-                **({"weights": server.weights} if server.weights else {}),
+                **({"server_details": server.details} if server.details else {}),
                 "mode": mode,
                 "concurrency": concurrency,
                 "requests": len(asked),
