@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from knapspec.costmodels.base import CostModel
 from knapspec.decoding.sampler import TokenSampler
 from knapspec.drafters.acceptance import BranchAcceptance, LookupAcceptanceConfig
-from knapspec.drafters.lookup import LookupIndex, _match_length
+from knapspec.drafters.base import DraftRequest
+from knapspec.drafters.lookup import LookupConfig, LookupDrafter, LookupIndex, _match_length
 from knapspec.planners.lookup import LookupPricing
 from knapspec.sampling import SamplingParams
 from knapspec.types import Draft, DraftTree
@@ -109,6 +110,21 @@ def test_the_heaviest_path_is_the_chain_and_the_size_is_bounded(
     # Kept side nodes are the best supported: none left out is likelier than one kept.
     full, _ = index.propose_tree(depth, max_nodes=10_000, max_candidates=limit) or (tree, 0)
     assert len(full) >= len(tree)
+
+
+@settings(max_examples=100, deadline=None)
+@given(tokens=sequences, budget=st.integers(1, 6))
+def test_a_chain_only_request_gets_the_same_chain_and_no_tree(
+    tokens: list[int], budget: int
+) -> None:
+    drafter = LookupDrafter(LookupConfig(max_ngram=3, tree_nodes=32))
+    drafter.reset(tokens)
+    full = drafter.propose(DraftRequest(budget))
+    chain = drafter.propose(DraftRequest(budget, chain_only=True))
+    assert chain.tokens == full.tokens
+    assert chain.support == full.support
+    assert chain.match_length == full.match_length
+    assert chain.tree is None
 
 
 def test_a_tree_checks_its_shape() -> None:

@@ -324,7 +324,8 @@ class BatchRun:
                 engine.max_context - lengths[row] - 1,
             )
             rooms.append(max(0, room))
-            request = DraftRequest(rooms[-1], pending[row], lengths[row])
+            # A batched round verifies chains: no drafter should build a tree for it.
+            request = DraftRequest(rooms[-1], pending[row], lengths[row], chain_only=True)
             proposals.append(_longest(d.propose(request) for d in self.drafters[row]))
         contexts = [lengths[row] for row in active]
         plan = self.policy.plan_round(active, proposals, contexts, rooms)

@@ -90,6 +90,8 @@ class DraftRequest:
         position: the position of ``pending`` (the committed tokens before it).
         mask: the plan's sublayer mask (None before planning).
         target: the model, for drafters that run it (None where the caller offers none).
+        chain_only: the caller verifies chains only (the batched rounds): a drafter
+            that could also offer a token tree (:attr:`Draft.tree`) need not build one.
     """
 
     budget: int
@@ -97,6 +99,7 @@ class DraftRequest:
     position: int = 0
     mask: SublayerMask | None = None
     target: DraftTarget | None = None
+    chain_only: bool = False
 
 
 @attrs.frozen

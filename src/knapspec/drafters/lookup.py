@@ -340,7 +340,7 @@ class LookupDrafter(Drafter):
         config = self.config
         found = self.index.propose_tree(
             min(request.budget, config.max_tokens),
-            max_nodes=config.tree_nodes,
+            max_nodes=0 if request.chain_only else config.tree_nodes,
             max_candidates=config.max_candidates,
             max_match=config.max_match,
             history=[*self.history, *(peer.index for peer in self.peers)],
