@@ -70,8 +70,12 @@ from knapspec.model.probe import (  # the probe lived here; its names are re-exp
     is_row_invariant,
 )
 from knapspec.model.provision import cache_root
-from knapspec.model.row_linear import LIBRARY as ROW_LINEAR_LIBRARY
-from knapspec.model.row_linear import amx_available, packed_available, release_amx_packed
+from knapspec.model.row_linear import (
+    amx_available,
+    build_tag,
+    packed_available,
+    release_amx_packed,
+)
 from knapspec.model.row_linear import available as row_linear_available
 
 if TYPE_CHECKING:
@@ -220,11 +224,8 @@ def _cache_path(engine: TunableEngine, table: KernelTable) -> Path:
     """Probe results depend on the machine, BLAS, threads, dtype and shapes (the kernel
     table's key) and on the table probed; not on the weights' values."""
     key = KernelKey.for_engine(engine)
-    name = f"{key.digest()}-{table.fingerprint()}-p{PROBE_REVISION}"
-    if row_linear_available(engine.dtype):  # a changed compiled kernel is probed afresh
-        name += "-" + ROW_LINEAR_LIBRARY.path().stem.rpartition("-")[2][:8]
-    name += ".json"
-    return cache_root() / "invariance" / name
+    name = f"{key.digest()}-{table.fingerprint()}-p{PROBE_REVISION}{build_tag(engine.dtype)}"
+    return cache_root() / "invariance" / f"{name}.json"
 
 
 #: Probe verdicts: per shape name the kernel, the candidates that failed, the timings.

@@ -39,8 +39,7 @@ from knapspec.model.kernels import (
     Shape,
 )
 from knapspec.model.provision import cache_root
-from knapspec.model.row_linear import LIBRARY as ROW_LINEAR_LIBRARY
-from knapspec.model.row_linear import available as row_linear_available
+from knapspec.model.row_linear import build_tag
 
 if TYPE_CHECKING:
     from knapspec.model.tunable import TunableEngine
@@ -130,9 +129,7 @@ def time_prefills(
 def _cache_path(engine: TunableEngine, measured: KernelTable, exact: KernelTable) -> Path:
     key = KernelKey.for_engine(engine).digest()
     name = f"{key}-{measured.fingerprint()}-{exact.fingerprint()}-r{PREFILL_REVISION}"
-    if row_linear_available(engine.dtype):  # a rebuilt compiled kernel is timed afresh
-        name += "-" + ROW_LINEAR_LIBRARY.path().stem.rpartition("-")[2][:8]
-    return cache_root() / "prefill" / f"{name}.json"
+    return cache_root() / "prefill" / f"{name}{build_tag(engine.dtype)}.json"
 
 
 def _parse(text: str) -> Timings:

@@ -108,6 +108,15 @@ def available(dtype: torch.dtype) -> bool:
     return dtype in _DTYPES and LIBRARY.load() is not None
 
 
+def build_tag(dtype: torch.dtype) -> str:
+    """``"-<8 hex digits>"`` naming the compiled kernel's build when it serves ``dtype``
+    here, else ``""``: cache files of timings or probes that ran it carry the tag, so a
+    rebuilt kernel is measured afresh."""
+    if not available(dtype):
+        return ""
+    return "-" + LIBRARY.path().stem.rpartition("-")[2][:8]
+
+
 def build_description() -> str:
     """What the compiled kernel computes with here ("16 float32 lanes, bfloat16 on
     VDPBF16PS"), or why it does not run."""
