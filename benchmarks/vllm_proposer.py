@@ -265,6 +265,8 @@ def environment(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "knapspec_cap": args.cap,
         "ngram": {"prompt_lookup_max": 4, "prompt_lookup_min": 1},
         "server_flags": ["--gpu-memory-utilization 0.3", f"--max-model-len {args.max_model_len}"],
+        # vLLM settings every server inherits from this environment (VLLM_BATCH_INVARIANT, ...)
+        "vllm_environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_")},
         "greedy": True,
         "noise": NOISE_NOTE,
     }
