@@ -655,6 +655,7 @@ async def _soak(server: Server, args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.sleep(5)
 
     await asyncio.gather(sample_rss(), *(worker(seed) for seed in range(16)))
+    await client.close()  # inside the loop (see _passes)
     up = server.process.poll() is None
     warm = [m for t, m in rss if t <= args.soak * 0.25] or [rss[0][1]]
     late = [m for t, m in rss if t >= args.soak * 0.75] or [rss[-1][1]]
