@@ -16,6 +16,7 @@ import attrs
 import torch
 
 from knapspec.costmodels.base import LatencyObservation
+from knapspec.decoding.greedy import greedy_ids
 from knapspec.decoding.sampler import TokenSampler
 from knapspec.decoding.stats import GenerationStats, PlanRecord
 from knapspec.decoding.tree_round import TreeRoundParts, verify_tree_round
@@ -405,7 +406,7 @@ class Run:
         inputs = torch.tensor([pending, *draft.tokens], device=engine.device)
         out = engine.forward(inputs, n, self.cache, capture_points=capture)
         check_finite(out.logits, "verification", error=NonFiniteLogitsError.during)
-        target_next = out.logits.argmax(dim=-1) if capture else None
+        target_next = greedy_ids(out.logits) if capture else None
         drafts = list(draft.tokens)
         scores = self._process(out.logits, drafts)
         verdict = self.sampler.verify(draft, scores, n + 1)  # row 0 picks position n + 1

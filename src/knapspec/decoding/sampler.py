@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from knapspec.decoding.greedy import greedy_token
 from knapspec.decoding.verify import Verdict, verify_greedy, verify_sampling
 from knapspec.drafters.base import Draft
 from knapspec.gumbel import keyed_argmax, position_key
@@ -59,7 +60,7 @@ class TokenSampler:
         processor), and its processed distribution ``(vocab,)`` when sampling (a draft's
         ``q``; None when greedy)."""
         if not self.sampled:
-            return int(logits.argmax()), None
+            return greedy_token(logits), None
         if self.rejection:
             probs = processed_probs(logits, self.params)
             return sample_token(probs, self.generator), probs
@@ -97,7 +98,7 @@ class TokenSampler:
         a draw from the processed distribution with the call's generator (rejection
         scheme)."""
         if not self.sampled:
-            return int(logits.argmax())
+            return greedy_token(logits)
         if self.rejection:
             return sample_token(processed_probs(logits, self.params), self.generator)
         return self.choose(logits, position)[0]

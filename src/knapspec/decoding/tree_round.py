@@ -15,6 +15,7 @@ import attrs
 import torch
 
 from knapspec.costmodels.base import LatencyObservation
+from knapspec.decoding.greedy import greedy_ids
 from knapspec.decoding.verify import NonFiniteLogitsError
 from knapspec.types import DraftTree, Verification
 from knapspec.validators import check_finite
@@ -66,7 +67,7 @@ def verify_tree_round(
     rows = [0, *(node + 1 for node in path)]
     parts.cache.compact(n, rows)
     points = out.points[:, rows] if out.points is not None else None
-    target_next = out.logits[rows].argmax(dim=-1) if capture else None
+    target_next = greedy_ids(out.logits[rows]) if capture else None
     elapsed = parts.clock() - started
     parts.stats.verify_time_s += elapsed
     parts.stats.record_tree(tree, path)

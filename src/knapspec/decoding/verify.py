@@ -5,6 +5,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from knapspec.decoding.greedy import greedy_tokens
 from knapspec.sampling import sample_token
 
 
@@ -44,7 +45,7 @@ def verify_greedy(draft_tokens: list[int], target_logits: torch.Tensor) -> Verdi
         target_logits: ``(k + 1, vocab)``: row ``j`` predicts the token after draft ``j``
             (row 0 follows the last committed token).
     """
-    target = target_logits.argmax(dim=-1).tolist()
+    target = greedy_tokens(target_logits)
     accepted = 0
     while accepted < len(draft_tokens) and draft_tokens[accepted] == target[accepted]:
         accepted += 1
