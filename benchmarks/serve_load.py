@@ -456,101 +456,89 @@ async def _passes(
     async with openai.AsyncOpenAI(
         base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=3600
     ) as client:
-        await _timed_passes(client, server, system, questions, args, machine, output)
+        await _one(client, server.model, questions[0], 16, {"temperature": 0})  # warm-up
+        if args.prefix_pairs:
+            _write(output, {**machine, **await _prefix_ttft(client, server, system, args)})
+        for mode in args.modes:
+            alone: list[str] | None = None
+            for concurrency in sorted(args.concurrency):
+                gate = asyncio.Semaphore(concurrency)
 
+                async def bounded(
+                    index: int, question: str, mode: str, gate: asyncio.Semaphore
+                ) -> dict[str, Any]:
+                    sampling: dict[str, Any] = {"temperature": 0}
+                    if mode == "sampled":
+                        sampling = {"temperature": 0.7, "top_p": 0.9, "seed": 1000 + index}
+                    async with gate:
+                        return await _one(client, server.model, question, args.max_tokens, sampling)
 
-async def _timed_passes(
-    client: openai.AsyncOpenAI,
-    server: Server,
-    system: str,
-    questions: list[str],
-    args: argparse.Namespace,
-    machine: dict[str, Any],
-    output: Path,
-) -> None:
-    await _one(client, server.model, questions[0], 16, {"temperature": 0})  # warm-up
-    if args.prefix_pairs:
-        _write(output, {**machine, **await _prefix_ttft(client, server, system, args)})
-    for mode in args.modes:
-        alone: list[str] | None = None
-        for concurrency in sorted(args.concurrency):
-            gate = asyncio.Semaphore(concurrency)
-
-            async def bounded(
-                index: int, question: str, mode: str, gate: asyncio.Semaphore
-            ) -> dict[str, Any]:
-                sampling: dict[str, Any] = {"temperature": 0}
-                if mode == "sampled":
-                    sampling = {"temperature": 0.7, "top_p": 0.9, "seed": 1000 + index}
-                async with gate:
-                    return await _one(client, server.model, question, args.max_tokens, sampling)
-
-            asked = _pass_questions(questions, args.per_client * concurrency)
-            rss_before = server.rss_mib()
-            busy_before = server.model_seconds()
-            started = time.perf_counter()
-            results = await asyncio.gather(
-                *(bounded(i, q, mode, gate) for i, q in enumerate(asked))
-            )
-            wall = time.perf_counter() - started
-            busy = {k: v - busy_before[k] for k, v in server.model_seconds().items()}
-            done = [r for r in results if r["ok"]]
-            texts = [r.get("text") for r in results]
-            if alone is None:
-                alone = [t or "" for t in texts[: len(questions)]]
-            # Only the base questions have an answer alone to compare with.
-            compared = zip(texts[: len(alone)], alone, strict=True)
-            differ = sum(1 for t, a in compared if t is not None and t != a)
-            tokens = sum(r["tokens"] for r in done)
-            record = {
-                **machine,
-                "system": system,
-                "dtype": server.dtype,
-                "model": server.model,
-                **({"server_details": server.details} if server.details else {}),
-                "mode": mode,
-                "concurrency": concurrency,
-                "requests": len(asked),
-                "compared_with_alone": len(alone),
-                "max_tokens": args.max_tokens,
-                "wall_s": wall,
-                "output_tokens": tokens,
-                "output_tokens_per_s": tokens / wall,
-                "ttft_p50_s": _percentile([r["ttft"] for r in done], 0.5),
-                "ttft_p95_s": _percentile([r["ttft"] for r in done], 0.95),
-                "itl_p50_s": _percentile([r["itl"] for r in done], 0.5),
-                "itl_p95_s": _percentile([r["itl"] for r in done], 0.95),
-                "failures": len(results) - len(done),
-                "errors": sorted({r["error"] for r in results if not r["ok"]})[:3],
-                "differ_from_alone": differ,
-                "reference": "C=1 answers of the same system and mode",
-                "server_rss_mib": [rss_before, server.rss_mib()],
-                # Where the server's wall time went: batched rounds, prefills, the rest
-                # (HTTP, detokenising, scheduling, waiting for clients); knapspec only.
-                **(
-                    {
-                        "server_step_s": busy["step_s"],
-                        "server_steps": int(busy["steps"]),
-                        "server_prefill_s": busy["prefill_s"],
-                        "server_other_s": wall - busy["step_s"] - busy["prefill_s"],
-                    }
-                    if busy
-                    else {}
-                ),
-            }
-            _write(output, record)
-            print(
-                f"{system:12s} {mode:8s} C={concurrency:<3d} {record['output_tokens_per_s']:7.1f} "
-                f"tok/s  TTFT p50 {record['ttft_p50_s']}  differ {differ}/{len(questions)}  "
-                f"failures {record['failures']}"
-                + (
-                    f"  rounds {busy['step_s']:.1f} s / {int(busy['steps'])}, "
-                    f"prefills {busy['prefill_s']:.1f} s of {wall:.1f} s"
-                    if busy
-                    else ""
-                ),
-                file=sys.stderr,
-            )
+                asked = _pass_questions(questions, args.per_client * concurrency)
+                rss_before = server.rss_mib()
+                busy_before = server.model_seconds()
+                started = time.perf_counter()
+                results = await asyncio.gather(
+                    *(bounded(i, q, mode, gate) for i, q in enumerate(asked))
+                )
+                wall = time.perf_counter() - started
+                busy = {k: v - busy_before[k] for k, v in server.model_seconds().items()}
+                done = [r for r in results if r["ok"]]
+                texts = [r.get("text") for r in results]
+                if alone is None:
+                    alone = [t or "" for t in texts[: len(questions)]]
+                # Only the base questions have an answer alone to compare with.
+                compared = zip(texts[: len(alone)], alone, strict=True)
+                differ = sum(1 for t, a in compared if t is not None and t != a)
+                tokens = sum(r["tokens"] for r in done)
+                record = {
+                    **machine,
+                    "system": system,
+                    "dtype": server.dtype,
+                    "model": server.model,
+                    **({"server_details": server.details} if server.details else {}),
+                    "mode": mode,
+                    "concurrency": concurrency,
+                    "requests": len(asked),
+                    "compared_with_alone": len(alone),
+                    "max_tokens": args.max_tokens,
+                    "wall_s": wall,
+                    "output_tokens": tokens,
+                    "output_tokens_per_s": tokens / wall,
+                    "ttft_p50_s": _percentile([r["ttft"] for r in done], 0.5),
+                    "ttft_p95_s": _percentile([r["ttft"] for r in done], 0.95),
+                    "itl_p50_s": _percentile([r["itl"] for r in done], 0.5),
+                    "itl_p95_s": _percentile([r["itl"] for r in done], 0.95),
+                    "failures": len(results) - len(done),
+                    "errors": sorted({r["error"] for r in results if not r["ok"]})[:3],
+                    "differ_from_alone": differ,
+                    "reference": "C=1 answers of the same system and mode",
+                    "server_rss_mib": [rss_before, server.rss_mib()],
+                    # Where the server's wall time went: batched rounds, prefills, the rest
+                    # (HTTP, detokenising, scheduling, waiting for clients); knapspec only.
+                    **(
+                        {
+                            "server_step_s": busy["step_s"],
+                            "server_steps": int(busy["steps"]),
+                            "server_prefill_s": busy["prefill_s"],
+                            "server_other_s": wall - busy["step_s"] - busy["prefill_s"],
+                        }
+                        if busy
+                        else {}
+                    ),
+                }
+                _write(output, record)
+                print(
+                    f"{system:12s} {mode:8s} C={concurrency:<3d} "
+                    f"{record['output_tokens_per_s']:7.1f} tok/s  TTFT p50 {record['ttft_p50_s']}  differ {differ}/{len(questions)}  "
+                    f"failures {record['failures']}"
+                    + (
+                        f"  rounds {busy['step_s']:.1f} s / {int(busy['steps'])}, "
+                        f"prefills {busy['prefill_s']:.1f} s of {wall:.1f} s"
+                        if busy
+                        else ""
+                    ),
+                    file=sys.stderr,
+                )
 
 
 async def _prefix_ttft(
