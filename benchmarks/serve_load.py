@@ -529,7 +529,8 @@ async def _passes(
                 _write(output, record)
                 print(
                     f"{system:12s} {mode:8s} C={concurrency:<3d} "
-                    f"{record['output_tokens_per_s']:7.1f} tok/s  TTFT p50 {record['ttft_p50_s']}  differ {differ}/{len(questions)}  "
+                    f"{record['output_tokens_per_s']:7.1f} tok/s  TTFT p50 {record['ttft_p50_s']}  "
+                    f"differ {differ}/{len(questions)}  "
                     f"failures {record['failures']}"
                     + (
                         f"  rounds {busy['step_s']:.1f} s / {int(busy['steps'])}, "
