@@ -24,9 +24,12 @@ def _numpy_ready(logits: torch.Tensor) -> bool:
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """Per row, the index of the largest logit: ``logits (rows, vocab) -> rows`` ids."""
-    if _numpy_ready(logits):
-        return [int(i) for i in logits.detach().numpy().argmax(axis=-1)]
-    return [int(i) for i in logits.argmax(dim=-1).tolist()]
+    ids: list[int] = (
+        logits.detach().numpy().argmax(axis=-1).tolist()
+        if _numpy_ready(logits)
+        else logits.argmax(dim=-1).tolist()
+    )
+    return ids
 
 
 def greedy_token(logits: torch.Tensor) -> int:
