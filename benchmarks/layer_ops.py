@@ -1,16 +1,21 @@
-"""The compiled layer operations, on and off: one batched decode round at 1, 4 and 16 rows.
+"""A layer-loop option on and off: one batched decode round at 1, 4 and 16 rows.
 
-An exact CPU engine runs each layer's RMSNorms and rotary as one compiled call each and
-writes a batch's K/V with one compiled copy per buffer (:mod:`knapspec.model.layer_ops`);
-``compiled_layer_ops=False`` keeps the model's modules and PyTorch's indexed writes. This
-times plain batched rounds (the autoregressive planner: every row one token a round) of
-Spec-Bench first turns on the real SmolLM2, both settings on one engine, interleaved in
-blocks (on, off, on, off, ...), and reports the median round per setting and rows.
+``--compare layer-ops`` (the default): an exact CPU engine runs each layer's RMSNorms and
+rotary as one compiled call each and writes a batch's K/V with one compiled copy per
+buffer (:mod:`knapspec.model.layer_ops`); off, the model's modules and PyTorch's indexed
+writes (``compiled_layer_ops=False``). ``--compare lean-pass``: exact batched passes run
+their layer items through :class:`~knapspec.model.exact_pass.ExactLayerPass` (the same
+kernels, per-pass work done once); off, the engine's general layer methods
+(``engine.lean_passes = False``). This times plain batched rounds (the autoregressive
+planner: every row one token a round) of Spec-Bench first turns on the real SmolLM2, both
+settings on one engine, interleaved in blocks (on, off, on, off, ...), and reports the
+median round per setting and rows.
 
-Writes ``results/engine/layer-ops-<cpu>.jsonl``: one line per rows and setting (median,
+Writes ``results/engine/<compare>-<cpu>.jsonl``: one line per rows and setting (median,
 p10, p90 round in ms over every timed round of its blocks) and a summary line per rows.
 
-    python benchmarks/layer_ops.py [--rows 1 4 16] [--blocks 4] [--rounds 30] [--dtype bfloat16]
+    python benchmarks/layer_ops.py [--compare layer-ops|lean-pass] [--rows 1 4 16]
+        [--blocks 4] [--rounds 30] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -37,8 +42,11 @@ from knapspec.planners import AutoregressivePlanner
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def _set(engine: SublayerEngine, on: bool, built: tuple[bool, bool, bool]) -> None:
-    """Turn the compiled operations on (as the engine built them) or off."""
+def _set(engine: SublayerEngine, compare: str, on: bool, built: tuple[bool, bool, bool]) -> None:
+    """Turn the compared option on (as the engine built it) or off."""
+    if compare == "lean-pass":
+        engine.lean_passes = on
+        return
     engine.compiled_norms, engine.compiled_rotary, engine.compiled_writes = (
         built if on else (False, False, False)
     )
@@ -48,6 +56,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--compare", choices=("layer-ops", "lean-pass"), default="layer-ops")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--blocks", type=int, default=4, help="blocks per setting")
     parser.add_argument("--rounds", type=int, default=30, help="timed rounds per block")
@@ -64,18 +73,23 @@ def main() -> None:
     decoder = SpeculativeDecoder(engine, planner=AutoregressivePlanner())
     questions = [q.turns[0] for q in load_questions(packaged_questions())]
     slug = re.sub(r"[^a-z0-9]+", "-", host_cpu_model().lower()).strip("-")
-    output = args.output or Path(f"results/engine/layer-ops-{slug}.jsonl")
+    output = args.output or Path(f"results/engine/{args.compare}-{slug}.jsonl")
     output.parent.mkdir(parents=True, exist_ok=True)
-    env = {**environment(model, args.threads), "dtype": args.dtype, "built": built}
+    env = {
+        **environment(model, args.threads),
+        "dtype": args.dtype,
+        "built": built,
+        "compare": args.compare,
+    }
     lines: list[dict[str, object]] = []
     for rows in args.rows:
         prompts = [chat_prompt(tokenizer, question, "").tolist() for question in questions[:rows]]
         timings: dict[bool, list[float]] = {True: [], False: []}
         for block in range(2 * args.blocks):
             on = block % 2 == 0
-            _set(engine, on, built)
+            _set(engine, args.compare, on, built)
             timings[on] += batched_round_seconds(decoder, prompts, warm=5, timed=args.rounds)
-        _set(engine, True, built)
+        _set(engine, args.compare, True, built)
         medians = {}
         for on, seconds in timings.items():
             spread = spread_ms(seconds)
@@ -85,7 +99,8 @@ def main() -> None:
                     **env,
                     "kind": "round",
                     "rows": rows,
-                    "compiled_layer_ops": on,
+                    "on": on,
+                    **({"compiled_layer_ops": on} if args.compare == "layer-ops" else {}),
                     "rounds": len(seconds),
                     **spread,
                 }

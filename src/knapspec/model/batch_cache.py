@@ -98,6 +98,17 @@ class BatchKVCache:
         """Active rows (the first ``rows`` slots of every buffer)."""
         return len(self.lengths)
 
+    @property
+    def compiled_writes(self) -> bool:
+        """Whether K/V are written through the compiled copy."""
+        return self._compiled_writes
+
+    def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s whole key and value buffers, ``(slots, kv_heads, capacity,
+        head_dim)`` contiguous each (for callers that write and read them through compiled
+        kernels; the active rows are the first :attr:`rows` slots)."""
+        return self._keys[layer], self._values[layer]
+
     def load_row(self, row: int, cache: KVCache, length: int) -> None:
         """Copy the first ``length`` tokens of a single-sequence ``cache`` (a prefill run
         alone) into row ``row``."""

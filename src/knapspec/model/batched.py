@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from knapspec.model.batch_cache import BatchKVCache
+from knapspec.model.exact_pass import ExactLayerPass, query_lengths
 from knapspec.model.row_attention import EXACT_MAX_QUERIES, attend_rows_batched
 
 if TYPE_CHECKING:
@@ -258,17 +259,6 @@ def _exact_attention_together(
     return result
 
 
-def _query_lengths(starts: Sequence[int], widths: Sequence[int], q_len: int) -> torch.Tensor:
-    """``(rows, q_len)`` int64: query ``i`` of row ``r`` sees ``starts[r] + i + 1`` keys;
-    padding queries (``i >= widths[r]``) see one. Built in a few tensor ops: a loop of one
-    ``arange`` per row, run for each of 30 layers, had cost 2 ms of a 16-row round; a pass
-    builds them once for all its layers."""
-    start = torch.tensor(starts, dtype=torch.int64)[:, None]
-    width = torch.tensor(widths, dtype=torch.int64)[:, None]
-    offsets = torch.arange(q_len, dtype=torch.int64)[None, :]
-    return torch.where(offsets < width, start + offsets + 1, 1)
-
-
 def _padded_attention(
     engine: SublayerEngine,
     query: torch.Tensor,
@@ -400,11 +390,19 @@ def forward_batch(
         )
     elif not exact:
         visible = ragged_mask(start_tensor, q_len, end, groups)
-    else:
-        lengths = _query_lengths(starts, row_widths_all, max(row_widths_all))
+    lean: ExactLayerPass | None = None
+    if exact:
+        lengths = query_lengths(starts, row_widths_all, max(row_widths_all))
         packed = packing is not None
+        # The same kernels on the same inputs as the general code below, the per-pass work
+        # done once (module exact_pass); an item it returns None for runs here.
+        lean = ExactLayerPass.prepare(engine, cache, cos, sin, index, lengths, packing)
     for layer_index, layer in enumerate(engine.layers):
-        if executed[2 * layer_index]:
+        attend = executed[2 * layer_index]
+        stepped = lean.attention_item(layer_index, hidden) if lean and attend else None
+        if stepped is not None:
+            hidden = stepped
+        elif attend:
             normed = engine.normed(layer.input_layernorm, hidden)
             query, key, value = engine.project_qkv(layer_index, normed, cos, sin)
             cache.write(layer_index, index, key, value)
@@ -422,7 +420,8 @@ def forward_batch(
                 )
             hidden = hidden + engine.project(layer.self_attn.o_proj, attended)
         if executed[2 * layer_index + 1]:
-            hidden = engine.mlp_item(layer_index, hidden)
+            stepped = lean.mlp_item(layer_index, hidden) if lean is not None else None
+            hidden = stepped if stepped is not None else engine.mlp_item(layer_index, hidden)
     if packing is None:
         if all_logits and packed_logits:
             return engine.logits(hidden.reshape(rows * q_len, -1))

@@ -310,6 +310,10 @@ class SublayerEngine:
         # fewer. Decided before anything runs a forward (the kernel probe below does).
         #: Whether batch caches write K/V through one compiled copy (bitwise; any engine).
         self.compiled_writes: bool = compiled_layer_ops and self.device.type == "cpu"
+        #: Whether exact batched passes run their layer items through
+        #: :class:`~knapspec.model.exact_pass.ExactLayerPass` (bitwise the general path,
+        #: its per-pass work done once; False runs the general path, for A/B runs).
+        self.lean_passes: bool = True
         compiled = compiled_layer_ops and exact and self.device.type == "cpu"
         norms = [
             norm
@@ -357,6 +361,11 @@ class SublayerEngine:
             return time.perf_counter() - start
         finally:
             self._prefill_large = kept
+
+    @property
+    def has_qk_norm(self) -> bool:
+        """Whether the attention normalises queries and keys per head (Qwen3's q/k norm)."""
+        return self._has_qk_norm
 
     @property
     def exact_attention_path(self) -> str | None:
@@ -504,18 +513,59 @@ class SublayerEngine:
         many rows (``fuse_large``: also over ``max_rows``) and the fusion is current; else
         one product per part (a prefill, see :mod:`knapspec.model.fusion`, or weights
         replaced since the engine was built)."""
+        product = self._fused_product(fused, fuse_rows, x, fuse_large)
+        if product is not None:
+            return fused.split(product)
+        return tuple(self.project(part, x) for part in fused.parts)
+
+    def _fused_product(
+        self,
+        fused: FusedProjection,
+        fuse_rows: tuple[bool, ...],
+        x: torch.Tensor,
+        fuse_large: bool,
+    ) -> torch.Tensor | None:
+        """:meth:`_fused`'s one product ``(..., Σ sizes)``, or None where it runs the parts."""
         rows = x.numel() // x.shape[-1]
         small = rows <= self._max_rows
         fuse_large = fuse_large and not self._cold_prefill
-        if (fuse_rows[rows] if small else fuse_large) and fused.is_current():
-            weight = fused.weight
-            if small:
-                kernels = self._dispatch.get(weight.shape)
-                kernel = kernels[rows] if kernels is not None else _PLAIN
-            else:
-                kernel = self._large.get(weight.shape, _PLAIN)
-            return fused.split(kernel(x, weight, fused.bias))
-        return tuple(self.project(part, x) for part in fused.parts)
+        if not ((fuse_rows[rows] if small else fuse_large) and fused.is_current()):
+            return None
+        weight = fused.weight
+        if small:
+            kernels = self._dispatch.get(weight.shape)
+            kernel = kernels[rows] if kernels is not None else _PLAIN
+        else:
+            kernel = self._large.get(weight.shape, _PLAIN)
+        return kernel(x, weight, fused.bias)
+
+    def fused_product(
+        self, group: str, layer_index: int, x: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+        """Layer ``layer_index``'s ``group`` (``"qkv"`` or ``"gate_up"``) as the layer
+        methods compute it for ``x (..., d)`` where they run it as one product: that
+        output ``(..., Σ sizes)`` and the parts' sizes; None where they run the parts
+        one by one (no fusion, this many rows not fused, weights replaced)."""
+        if group == "qkv":
+            fused, rows, large = (
+                self._fused_qkv[layer_index],
+                self._fuse_qkv_rows,
+                self._fuse_qkv_large,
+            )
+        elif group == "gate_up":
+            fused, rows, large = (
+                self._fused_gate_up[layer_index],
+                self._fuse_gate_up_rows,
+                self._fuse_gate_up_large,
+            )
+            if not self._max_rows and not self._large:
+                return None  # :meth:`_gated_mlp` runs the module itself
+        else:
+            raise ValueError(f"unknown fusion group {group!r}; expected 'qkv' or 'gate_up'")
+        if fused is None:
+            return None
+        product = self._fused_product(fused, rows, x, large)
+        return None if product is None else (product, fused.sizes)
 
     def _gated_mlp(self, layer_index: int, x: torch.Tensor) -> torch.Tensor:
         """``down(act(gate(x)) * up(x))``, the Llama/Mistral/Qwen MLP, via :meth:`project`."""

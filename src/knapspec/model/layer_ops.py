@@ -160,22 +160,28 @@ def rotary_(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torc
     tokens = batch * q_len
     cos = cos.reshape(tokens, head_dim).contiguous()
     sin = sin.reshape(tokens, head_dim).contiguous()
-    library = _library()
-    for view in (query_view, key_view):
-        _check(
-            library.knapspec_rotary(
-                view.data_ptr(),
-                cos.data_ptr(),
-                sin.data_ptr(),
-                tokens,
-                view.shape[1],
-                head_dim,
-                view.stride(0),
-                _DTYPES[view.dtype],
-            ),
-            "rotary",
-        )
+    rotary_heads_(query_view, cos, sin)
+    rotary_heads_(key_view, cos, sin)
     return True
+
+
+def rotary_heads_(heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotary embedding in place of ``heads (tokens, H, hd)`` (unit element stride, heads
+    side by side, any token stride) with ``cos``/``sin`` ``(tokens, hd)`` contiguous in its
+    dtype: :func:`rotary_` after its layout checks, which the caller has made."""
+    _check(
+        _library().knapspec_rotary(
+            heads.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            heads.shape[0],
+            heads.shape[1],
+            heads.shape[2],
+            heads.stride(0),
+            _DTYPES[heads.dtype],
+        ),
+        "rotary",
+    )
 
 
 def scatter_(
@@ -211,23 +217,33 @@ def scatter_(
         or tuple(buffer.shape[1:2] + buffer.shape[3:]) != tuple(view.shape[1:])
     ):
         return False
+    scatter_heads_(buffer, rows, positions, view)
+    return True
+
+
+def scatter_heads_(
+    buffer: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, heads: torch.Tensor
+) -> None:
+    """:func:`scatter_` after its layout checks, which the caller has made: ``heads
+    (tokens, H, hd)`` (unit element stride, heads side by side) into the contiguous
+    ``buffer (slots, H, capacity, hd)`` of its dtype at ``rows``/``positions`` (``tokens``
+    int64 each, contiguous)."""
     _check(
-        library.knapspec_scatter(
-            view.data_ptr(),
+        _library().knapspec_scatter(
+            heads.data_ptr(),
             buffer.data_ptr(),
             rows.data_ptr(),
             positions.data_ptr(),
-            view.shape[0],
-            view.shape[1],
-            view.shape[2],
-            view.stride(0),
+            heads.shape[0],
+            heads.shape[1],
+            heads.shape[2],
+            heads.stride(0),
             buffer.shape[0],
             buffer.shape[2],
             buffer.element_size(),
         ),
         "K/V write",
     )
-    return True
 
 
 def apply_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -304,7 +320,9 @@ __all__ = [
     "available",
     "rms_norm",
     "rotary_",
+    "rotary_heads_",
     "scatter_",
+    "scatter_heads_",
     "serves_norms",
     "serves_rotary",
 ]

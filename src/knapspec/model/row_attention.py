@@ -202,12 +202,10 @@ def attend_rows_batched(
     scale: float,
 ) -> torch.Tensor | None:
     """:func:`attend_rows` for every sequence of a batch in one kernel call: sequence ``b``'s
-    query row ``i`` sees its own keys ``0 .. lengths[b, i] - 1``.
-
-    Each query row's output is a function of its query, its keys/values and its length
-    alone, so the result is bitwise :func:`attend_rows` per sequence (one call per layer
-    instead of one per sequence: at 16 sequences the per-call overhead had been a third of
-    a batched round).
+    query row ``i`` sees its own keys ``0 .. lengths[b, i] - 1``. Each query row's output is
+    a function of its query, its keys/values and its length alone, so the result is bitwise
+    :func:`attend_rows` per sequence (one call per layer instead of one per sequence: at 16
+    sequences the per-call overhead had been a third of a batched round).
 
     Args:
         query: ``(B, H, q, hd)``.
@@ -230,37 +228,67 @@ def attend_rows_batched(
     if merged_keys.stride() != merged_values.stride() or merged_keys.stride(-1) != 1:
         merged_keys, merged_values = merged_keys.contiguous(), merged_values.contiguous()
     folded = query.reshape(batch * heads, q_len, head_dim).contiguous()
-    out = torch.empty_like(folded)
-    # Row (b, h, i) sits at row t * q + i of K/V head (b, g) for h = g * groups + t.
-    row_lengths = lengths.to(torch.int64)[:, None, :].expand(batch, heads, q_len).contiguous()
-    rows_per_kv_head = heads // kv_heads * q_len
-    threads = torch.get_num_threads()
-    total_kv = batch * kv_heads
-    unit = _unit(query.dtype, head_dim)
-    status = library.knapspec_attend_tree(
-        folded.data_ptr(),
-        merged_keys.data_ptr(),
-        merged_values.data_ptr(),
-        out.data_ptr(),
-        row_lengths.data_ptr(),
-        None,
-        None,
-        q_len,
-        _DTYPES[query.dtype],
-        total_kv,
-        rows_per_kv_head,
-        head_dim,
-        merged_keys.stride(0),
-        merged_keys.stride(1),
-        n_keys,
-        _chunk_rows(total_kv, rows_per_kv_head, threads, bool(unit)),
-        float(scale),
-        threads,
-        unit,
-    )
-    if status:
-        raise RuntimeError(f"row-invariant attention kernel failed (status {status})")
-    return out.view(batch, heads, q_len, head_dim)
+    call = BatchedAttention(library, lengths, heads, kv_heads, head_dim, query.dtype, scale)
+    return call(folded, merged_keys, merged_values).view(batch, heads, q_len, head_dim)
+
+
+class BatchedAttention:
+    """:func:`attend_rows_batched`'s kernel call, prepared once for a pass's layers: ``lengths
+    (B, q)`` int64 keys each query row sees; the model's ``heads``, ``kv_heads``, ``head_dim``,
+    ``dtype`` (float32 or bfloat16) and softmax ``scale``; ``library`` (:func:`load_library`)."""
+
+    def __init__(
+        self,
+        library: ctypes.CDLL,
+        lengths: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        scale: float,
+    ) -> None:
+        batch, self.q_len = lengths.shape
+        self._library, self.head_dim, self._scale = library, head_dim, float(scale)
+        self.total_kv, self.rows_per_kv_head = batch * kv_heads, heads // kv_heads * self.q_len
+        # Row (b, h, i) sits at row t * q + i of K/V head (b, g) for h = g * groups + t.
+        per_row = lengths.to(torch.int64)[:, None, :]
+        self._row_lengths = per_row.expand(batch, heads, self.q_len).contiguous()
+        self._dtype, self._unit = _DTYPES[dtype], _unit(dtype, head_dim)
+        self._threads = torch.get_num_threads()
+        self._chunk = _chunk_rows(
+            self.total_kv, self.rows_per_kv_head, self._threads, bool(self._unit)
+        )
+
+    def __call__(
+        self, folded: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        """``folded (B * H, q, hd)`` contiguous queries over ``keys``/``values
+        (B * kvH, N, hd)`` (unit last stride, equal strides) -> ``(B * H, q, hd)``."""
+        out = torch.empty_like(folded)
+        status = self._library.knapspec_attend_tree(
+            folded.data_ptr(),
+            keys.data_ptr(),
+            values.data_ptr(),
+            out.data_ptr(),
+            self._row_lengths.data_ptr(),
+            None,
+            None,
+            self.q_len,
+            self._dtype,
+            self.total_kv,
+            self.rows_per_kv_head,
+            self.head_dim,
+            keys.stride(0),
+            keys.stride(1),
+            keys.shape[1],
+            self._chunk,
+            self._scale,
+            self._threads,
+            self._unit,
+        )
+        if status:
+            raise RuntimeError(f"row-invariant attention kernel failed (status {status})")
+        return out
 
 
 def attend_tree_rows(

@@ -254,8 +254,14 @@ def packed_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     with AVX512-BF16 (VDPBF16PS)."""
     if dtype != torch.bfloat16:
         return False
-    library = LIBRARY.load()
-    return library is not None and bool(library.knapspec_packed_available())
+    global _packed_here
+    if _packed_here is None:  # asked before every product: the answer cannot change
+        library = LIBRARY.load()
+        _packed_here = library is not None and bool(library.knapspec_packed_available())
+    return _packed_here
+
+
+_packed_here: bool | None = None
 
 
 def _tiled_product(

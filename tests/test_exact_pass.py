@@ -1,0 +1,204 @@
+"""The lean exact pass (:mod:`knapspec.model.exact_pass`) against the general layer loop.
+
+The lean pass only reorganises the Python around the kernels (per-pass work done once),
+so every logit and every K/V entry must be bitwise what the general path writes, on every
+layout a batched pass takes: equal widths, ragged packed widths, a layer-skipping mask,
+float32 and bfloat16; where a layer does not fit (weights replaced after fusion, q/k norms)
+it must step aside for that layer and the results stay the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import attrs
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from knapspec import testing
+from knapspec.model import exact_pass
+from knapspec.model.batched import forward_batch, new_batch_cache
+from knapspec.model.engine import SublayerEngine
+from knapspec.model.kernels import FUSION_GROUPS
+from knapspec.types import SublayerMask
+from tiny_models import tiny_model
+
+VOCAB = 97
+
+
+def _engine(family: str = "llama", dtype: torch.dtype = torch.float32) -> SublayerEngine:
+    """An exact engine on a tiny model that fuses q/k/v and gate/up at every row count (what
+    the lean pass serves; the measured table of a tiny model on one thread may not)."""
+    model = tiny_model(family, 3) if dtype == torch.float32 else _bf16_model(family)
+    return _fusing(SublayerEngine(model, progress=False))
+
+
+def _fusing(engine: SublayerEngine) -> SublayerEngine:
+    table = engine.kernels
+    fuse = {group: (True,) * table.max_rows for group in FUSION_GROUPS}
+    engine.use_kernels(attrs.evolve(table, fuse=fuse))
+    return engine
+
+
+_BF16: dict[str, torch.nn.Module] = {}
+
+
+def _bf16_model(family: str) -> torch.nn.Module:
+    if family not in _BF16:
+        _BF16[family] = testing.tiny_model(family, 3, 0).to(torch.bfloat16)
+    return _BF16[family]
+
+
+_ENGINES: dict[tuple[str, torch.dtype], SublayerEngine] = {}
+
+
+def _cached_engine(family: str, dtype: torch.dtype) -> SublayerEngine:
+    key = (family, dtype)
+    if key not in _ENGINES:
+        _ENGINES[key] = _engine(family, dtype)
+    return _ENGINES[key]
+
+
+@pytest.fixture
+def lean_items(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The items the lean pass ran (not handed back to the general path)."""
+    ran: list[str] = []
+    attention, mlp = exact_pass.ExactLayerPass.attention_item, exact_pass.ExactLayerPass.mlp_item
+
+    def counted_attention(
+        self: exact_pass.ExactLayerPass, layer: int, hidden: torch.Tensor
+    ) -> torch.Tensor | None:
+        out = attention(self, layer, hidden)
+        if out is not None:
+            ran.append(f"attention {layer}")
+        return out
+
+    def counted_mlp(
+        self: exact_pass.ExactLayerPass, layer: int, hidden: torch.Tensor
+    ) -> torch.Tensor | None:
+        out = mlp(self, layer, hidden)
+        if out is not None:
+            ran.append(f"mlp {layer}")
+        return out
+
+    monkeypatch.setattr(exact_pass.ExactLayerPass, "attention_item", counted_attention)
+    monkeypatch.setattr(exact_pass.ExactLayerPass, "mlp_item", counted_mlp)
+    yield ran
+
+
+def _both_ways(
+    engine: SublayerEngine,
+    contexts: list[int],
+    inputs: torch.Tensor,
+    widths: list[int] | None,
+    mask: SublayerMask | None = None,
+    seed: int = 0,
+) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """Logits and every layer's K/V buffers of one batched pass, lean then general, from
+    caches holding the same prompts."""
+    rows = len(contexts)
+    logits, buffers = [], []
+    for lean in (True, False):
+        cache = new_batch_cache(engine, rows, 48)
+        for row, context in enumerate(contexts):
+            single = engine.new_cache(48)
+            generator = torch.Generator().manual_seed(seed + row)
+            prompt = torch.randint(0, VOCAB, (context,), generator=generator)
+            engine.forward(prompt, 0, single, all_logits=False)
+            cache.load_row(row, single, context)
+        engine.lean_passes = lean
+        try:
+            logits.append(forward_batch(engine, inputs, contexts, cache, widths=widths, mask=mask))
+        finally:
+            engine.lean_passes = True
+        buffers.append([b for layer in range(engine.num_layers) for b in cache.buffers(layer)])
+    return logits, buffers
+
+
+def _assert_bitwise(logits: list[torch.Tensor], buffers: list[list[torch.Tensor]]) -> None:
+    assert torch.equal(logits[0], logits[1])
+    for lean, general in zip(*buffers, strict=True):
+        assert torch.equal(lean, general)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    widths=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    ragged=st.booleans(),
+    bf16=st.booleans(),
+    seed=st.integers(0, 99),
+)
+def test_a_lean_pass_writes_and_returns_bitwise_the_general_paths(
+    widths: list[int], ragged: bool, bf16: bool, seed: int
+) -> None:
+    """Equal widths (padded layout) or ragged ones (products packed), float32 or bfloat16:
+    the same logits and the same K/V buffers, bit for bit, and the lean pass ran every
+    item of the pass (mutation check: a lean pass that rotated only the queries, or wrote
+    a row's K/V one position off, fails here)."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    engine = _cached_engine("llama", dtype)
+    generator = torch.Generator().manual_seed(seed)
+    contexts = [int(torch.randint(1, 30, (1,), generator=generator)) for _ in widths]
+    if not ragged:
+        widths = [max(widths)] * len(widths)
+    inputs = torch.randint(0, VOCAB, (len(widths), max(widths)), generator=generator)
+    ran: list[str] = []
+    original = exact_pass.ExactLayerPass.attention_item
+
+    def counted(
+        self: exact_pass.ExactLayerPass, layer: int, hidden: torch.Tensor
+    ) -> torch.Tensor | None:
+        out = original(self, layer, hidden)
+        ran.extend([] if out is None else [str(layer)])
+        return out
+
+    exact_pass.ExactLayerPass.attention_item = counted  # type: ignore[method-assign]
+    try:
+        logits, buffers = _both_ways(engine, contexts, inputs, widths if ragged else None)
+    finally:
+        exact_pass.ExactLayerPass.attention_item = original  # type: ignore[method-assign]
+    _assert_bitwise(logits, buffers)
+    assert ran == [str(layer) for layer in range(engine.num_layers)]
+
+
+def test_a_layer_skipping_mask_runs_only_its_items_alike(lean_items: list[str]) -> None:
+    """A draft step under a mask: the lean pass runs the executed items only, bitwise."""
+    engine = _cached_engine("llama", torch.bfloat16)
+    executed = [True, False, False, True, True, True]
+    mask = SublayerMask(tuple(executed))
+    inputs = torch.tensor([[5, 6], [7, 8]])
+    logits, buffers = _both_ways(engine, [4, 9], inputs, None, mask=mask)
+    _assert_bitwise(logits, buffers)
+    assert lean_items == ["attention 0", "mlp 1", "attention 2", "mlp 2"]
+
+
+def test_a_layer_whose_weights_were_replaced_takes_the_general_path(
+    lean_items: list[str],
+) -> None:
+    """Weights replaced after the engine fused them (a new ``nn.Parameter``): that layer's
+    projections no longer alias the fused matrix, the lean pass hands the layer back, and
+    the pass still equals the general one (which runs the replaced weights)."""
+    model = testing.tiny_model("llama", 3, 0)
+    engine = _fusing(SublayerEngine(model, progress=False))
+    attention = engine.layers[1].self_attn
+    attention.k_proj.weight = torch.nn.Parameter(attention.k_proj.weight.detach().clone() * 2)
+    mlp = engine.layers[2].mlp
+    mlp.up_proj.weight = torch.nn.Parameter(mlp.up_proj.weight.detach().clone())
+    logits, buffers = _both_ways(engine, [3, 6, 2], torch.tensor([[1], [2], [3]]), None)
+    _assert_bitwise(logits, buffers)
+    assert lean_items == ["attention 0", "mlp 0", "mlp 1", "attention 2"]
+
+
+def test_q_k_norms_and_inexact_engines_keep_the_general_path(lean_items: list[str]) -> None:
+    """Qwen3's per-head q/k norms are not in the lean pass: it is not prepared, and the
+    general path runs (nothing to compare but that it did and the pass still works)."""
+    engine = _cached_engine("qwen3", torch.float32)
+    assert engine.has_qk_norm
+    logits, buffers = _both_ways(engine, [3, 5], torch.tensor([[1, 2], [3, 4]]), [2, 1])
+    _assert_bitwise(logits, buffers)
+    inexact = SublayerEngine(tiny_model("llama", 3), progress=False, exact=False)
+    cache = new_batch_cache(inexact, 1, 8)
+    forward_batch(inexact, torch.tensor([[1, 2]]), [0], cache)
+    assert lean_items == []
