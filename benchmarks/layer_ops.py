@@ -9,21 +9,25 @@ kernels, per-pass work done once); off, the engine's general layer methods
 (``engine.lean_passes = False``). This times plain batched rounds (the autoregressive
 planner: every row one token a round) of Spec-Bench first turns on the real SmolLM2, both
 settings on one engine, interleaved in blocks (on, off, on, off, ...), and reports the
-median round per setting and rows.
+median round per setting and rows; then one sequence's steps through
+``SublayerEngine.forward`` (``--sequence-widths``: a decode step, a 5-token verification),
+the same way.
 
 Writes ``results/engine/<compare>-<cpu>.jsonl``: one line per rows and setting (median,
 p10, p90 round in ms over every timed round of its blocks) and a summary line per rows.
 
     python benchmarks/layer_ops.py [--compare layer-ops|lean-pass] [--rows 1 4 16]
-        [--blocks 4] [--rounds 30] [--dtype bfloat16]
+        [--sequence-widths 1 5] [--blocks 4] [--rounds 30] [--dtype bfloat16]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,8 +36,14 @@ from knapspec.bench.env import environment
 from knapspec.bench.prompts import chat_prompt
 from knapspec.bench.records import append_jsonl
 from knapspec.bench.specbench.questions import load_questions, packaged_questions
-from knapspec.bench.timing import batched_round_seconds, spread_ms
+from knapspec.bench.timing import (
+    batched_round_seconds,
+    engine_step_seconds,
+    filled_cache,
+    spread_ms,
+)
 from knapspec.decoding.decoder import SpeculativeDecoder
+from knapspec.model.cache import KVCache
 from knapspec.model.engine import SublayerEngine
 from knapspec.model.machine import host_cpu_model
 from knapspec.model.provision import load_model_and_tokenizer
@@ -52,6 +62,13 @@ def _set(engine: SublayerEngine, compare: str, on: bool, built: tuple[bool, bool
     )
 
 
+def _sequence_steps(
+    engine: SublayerEngine, cache: KVCache, context: int, width: int, steps: int
+) -> list[float]:
+    """Seconds of ``steps`` engine steps of ``width`` tokens after ``context`` cached ones."""
+    return [engine_step_seconds(engine, cache, context, width, repeats=1) for _ in range(steps)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -60,6 +77,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--blocks", type=int, default=4, help="blocks per setting")
     parser.add_argument("--rounds", type=int, default=30, help="timed rounds per block")
+    parser.add_argument(
+        "--sequence-widths",
+        type=int,
+        nargs="*",
+        default=[1, 5],
+        help="also time one sequence's steps of these many tokens (none: batched rounds only)",
+    )
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", type=Path, default=None)
@@ -82,40 +106,49 @@ def main() -> None:
         "compare": args.compare,
     }
     lines: list[dict[str, object]] = []
-    for rows in args.rows:
-        prompts = [chat_prompt(tokenizer, question, "").tolist() for question in questions[:rows]]
+
+    def compare(what: dict[str, object], measure: Callable[[], list[float]]) -> None:
+        """Blocks of ``measure`` on and off, interleaved; a line per setting, a summary."""
         timings: dict[bool, list[float]] = {True: [], False: []}
         for block in range(2 * args.blocks):
             on = block % 2 == 0
             _set(engine, args.compare, on, built)
-            timings[on] += batched_round_seconds(decoder, prompts, warm=5, timed=args.rounds)
+            timings[on] += measure()
         _set(engine, args.compare, True, built)
         medians = {}
         for on, seconds in timings.items():
-            spread = spread_ms(seconds)
             medians[on] = statistics.median(seconds) * 1e3
             lines.append(
                 {
                     **env,
-                    "kind": "round",
-                    "rows": rows,
+                    **what,
                     "on": on,
                     **({"compiled_layer_ops": on} if args.compare == "layer-ops" else {}),
                     "rounds": len(seconds),
-                    **spread,
+                    **spread_ms(seconds),
                 }
             )
-        summary = {
-            **env,
-            "kind": "summary",
-            "rows": rows,
-            "off_over_on": round(medians[False] / medians[True], 3),
-        }
-        lines.append(summary)
+        ratio = round(medians[False] / medians[True], 3)
+        lines.append({**env, **what, "kind": "summary", "off_over_on": ratio})
         print(
-            f"{rows:3d} rows: on {medians[True]:6.1f} ms, off {medians[False]:6.1f} ms "
-            f"({summary['off_over_on']}x)",
+            f"{what}: on {medians[True]:6.1f} ms, off {medians[False]:6.1f} ms ({ratio}x)",
             flush=True,
+        )
+
+    for rows in args.rows:
+        prompts = [chat_prompt(tokenizer, question, "").tolist() for question in questions[:rows]]
+        compare(
+            {"kind": "round", "rows": rows},
+            functools.partial(batched_round_seconds, decoder, prompts, warm=5, timed=args.rounds),
+        )
+    prompt = chat_prompt(tokenizer, questions[0], "")
+    for width in args.sequence_widths:
+        # One sequence's step through SublayerEngine.forward (what a library call runs):
+        # a decode step (1 token) or a verification (k tokens) after the chat prompt.
+        cache = filled_cache(engine, prompt, width + 8)
+        compare(
+            {"kind": "sequence-step", "tokens": width, "context": prompt.numel()},
+            functools.partial(_sequence_steps, engine, cache, prompt.numel(), width, args.rounds),
         )
     for line in lines:
         append_jsonl(output, json.dumps(line))

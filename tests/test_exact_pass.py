@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from knapspec import testing
 from knapspec.model import exact_pass
+from knapspec.model.batch_cache import BatchKVCache
 from knapspec.model.batched import forward_batch, new_batch_cache
 from knapspec.model.engine import SublayerEngine
 from knapspec.model.kernels import FUSION_GROUPS
@@ -63,7 +64,8 @@ def _cached_engine(family: str, dtype: torch.dtype) -> SublayerEngine:
 
 @pytest.fixture
 def lean_items(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
-    """The items the lean pass ran (not handed back to the general path)."""
+    """The items the lean pass ran in batched passes (not handed back to the general
+    path; the single-sequence prefills that fill the rows' caches are not counted)."""
     ran: list[str] = []
     attention, mlp = exact_pass.ExactLayerPass.attention_item, exact_pass.ExactLayerPass.mlp_item
 
@@ -71,7 +73,7 @@ def lean_items(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
         self: exact_pass.ExactLayerPass, layer: int, hidden: torch.Tensor
     ) -> torch.Tensor | None:
         out = attention(self, layer, hidden)
-        if out is not None:
+        if out is not None and isinstance(self.cache, BatchKVCache):
             ran.append(f"attention {layer}")
         return out
 
@@ -79,7 +81,7 @@ def lean_items(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
         self: exact_pass.ExactLayerPass, layer: int, hidden: torch.Tensor
     ) -> torch.Tensor | None:
         out = mlp(self, layer, hidden)
-        if out is not None:
+        if out is not None and isinstance(self.cache, BatchKVCache):
             ran.append(f"mlp {layer}")
         return out
 
@@ -151,7 +153,8 @@ def test_a_lean_pass_writes_and_returns_bitwise_the_general_paths(
         self: exact_pass.ExactLayerPass, layer: int, hidden: torch.Tensor
     ) -> torch.Tensor | None:
         out = original(self, layer, hidden)
-        ran.extend([] if out is None else [str(layer)])
+        if out is not None and isinstance(self.cache, BatchKVCache):  # not the rows' prefills
+            ran.append(str(layer))
         return out
 
     exact_pass.ExactLayerPass.attention_item = counted  # type: ignore[method-assign]
@@ -202,3 +205,60 @@ def test_q_k_norms_and_inexact_engines_keep_the_general_path(lean_items: list[st
     cache = new_batch_cache(inexact, 1, 8)
     forward_batch(inexact, torch.tensor([[1, 2]]), [0], cache)
     assert lean_items == []
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    context=st.integers(1, 30), width=st.integers(1, 6), bf16=st.booleans(), seed=st.integers(0, 99)
+)
+def test_a_sequences_decode_and_verify_steps_take_the_lean_pass_bitwise(
+    context: int, width: int, bf16: bool, seed: int
+) -> None:
+    """:meth:`SublayerEngine.forward` of a decode step or a verification after a prefill:
+    the same logits and the same K/V and lengths in every layer as the general path, and
+    the lean pass ran its attention items (a prefill from position 0 does not)."""
+    engine = _cached_engine("llama", torch.bfloat16 if bf16 else torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, VOCAB, (context,), generator=generator)
+    step = torch.randint(0, VOCAB, (width,), generator=generator)
+    ran: list[int] = []
+    original = exact_pass.ExactLayerPass.attention_item
+
+    def counted(
+        self: exact_pass.ExactLayerPass, layer: int, hidden: torch.Tensor
+    ) -> torch.Tensor | None:
+        out = original(self, layer, hidden)
+        ran.extend([] if out is None else [layer])
+        return out
+
+    outputs, caches = [], []
+    exact_pass.ExactLayerPass.attention_item = counted  # type: ignore[method-assign]
+    try:
+        for lean in (True, False):
+            engine.lean_passes = lean
+            cache = engine.new_cache(16)  # grows during the step: the lean pass reserves
+            engine.forward(prompt, 0, cache, all_logits=False)
+            outputs.append(engine.forward(step, context, cache).logits)
+            caches.append(cache)
+    finally:
+        engine.lean_passes = True
+        exact_pass.ExactLayerPass.attention_item = original  # type: ignore[method-assign]
+    assert torch.equal(outputs[0], outputs[1])
+    assert caches[0].lengths == caches[1].lengths == [context + width] * engine.num_layers
+    for layer in range(engine.num_layers):
+        assert torch.equal(caches[0].keys(layer), caches[1].keys(layer))
+        assert torch.equal(caches[0].values(layer), caches[1].values(layer))
+    # The prefill ran the general path (position 0, several tokens) unless it was one token.
+    assert ran == list(range(engine.num_layers)) * (2 if context == 1 else 1)
+
+
+def test_a_sequences_gap_is_refused_on_the_lean_pass_too() -> None:
+    """A step past a layer's length raises the cache's gap error before anything is read."""
+    engine = _cached_engine("llama", torch.float32)
+    cache = engine.new_cache(16)
+    engine.forward(torch.tensor([1, 2, 3]), 0, cache, all_logits=False)
+    with pytest.raises(RuntimeError, match="KV cache gap at layer 0"):
+        engine.forward(torch.tensor([4]), 5, cache)
+    assert cache.lengths == [3] * engine.num_layers
+    engine.forward(torch.tensor([4]), 3, cache)  # the engine still works
+    assert cache.lengths == [4] * engine.num_layers

@@ -78,7 +78,7 @@ class TreeBuilder:
         self.rank.append(option.rank)
         self.depth[node] = self.depth[parent] + 1
         self.path_support[node] = self.path_support[parent] * option.support
-        if parent == -1:
+        if node == 0:  # the chain's first token (later roots are the tree's side options)
             self.first_supporters = option.supporters
         return node
 

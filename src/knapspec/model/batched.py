@@ -394,9 +394,10 @@ def forward_batch(
     if exact:
         lengths = query_lengths(starts, row_widths_all, max(row_widths_all))
         packed = packing is not None
-        # The same kernels on the same inputs as the general code below, the per-pass work
-        # done once (module exact_pass); an item it returns None for runs here.
-        lean = ExactLayerPass.prepare(engine, cache, cos, sin, index, lengths, packing)
+        # Same kernels and inputs as below, per-pass work done once (module exact_pass).
+        lean = ExactLayerPass.prepare(
+            engine, cache, cache.compiled_writes, cos, sin, index, lengths, packing
+        )
     for layer_index, layer in enumerate(engine.layers):
         attend = executed[2 * layer_index]
         stepped = lean.attention_item(layer_index, hidden) if lean and attend else None

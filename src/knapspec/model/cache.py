@@ -82,16 +82,26 @@ class KVCache:
         The layer must already hold every earlier position (no gaps): attention reads the
         whole prefix, so a gap would silently attend to stale slots.
         """
-        if start > self.lengths[layer]:
-            raise RuntimeError(
-                f"KV cache gap at layer {layer}: it holds {self.lengths[layer]} tokens but a "
-                f"write starts at position {start}"
-            )
+        self.check_gap(layer, start)
         end = start + keys.shape[1]
         self.reserve(end)
         self._keys[layer][:, start:end].copy_(keys)
         self._values[layer][:, start:end].copy_(values)
         self.lengths[layer] = end
+
+    def check_gap(self, layer: int, start: int) -> None:
+        """Raise RuntimeError where a write at ``start`` would leave a gap in ``layer``."""
+        if start > self.lengths[layer]:
+            raise RuntimeError(
+                f"KV cache gap at layer {layer}: it holds {self.lengths[layer]} tokens but a "
+                f"write starts at position {start}"
+            )
+
+    def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s whole key and value buffers as one row, ``(1, kv_heads,
+        capacity, head_dim)`` each (for a caller that writes them through a compiled copy,
+        then sets :attr:`lengths`; :meth:`reserve` first)."""
+        return self._keys[layer].unsqueeze(0), self._values[layer].unsqueeze(0)
 
     def keys(self, layer: int, end: int | None = None) -> torch.Tensor:
         """Layer ``layer``'s keys for positions ``[0, end)``: ``(kv_heads, end, head_dim)``."""

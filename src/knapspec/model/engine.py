@@ -37,6 +37,7 @@ from torch import nn
 
 from knapspec.model.autotune import KERNELS_ENV, framework_only, resolve_kernel_table
 from knapspec.model.cache import KVCache
+from knapspec.model.exact_pass import ExactLayerPass
 from knapspec.model.fusion import FusedProjection, fuse_linears
 from knapspec.model.invariance import InvarianceReport, row_invariant_table
 from knapspec.model.kernel_timing import linear_roles
@@ -806,14 +807,24 @@ class SublayerEngine:
         points: list[torch.Tensor] = [_kept(hidden, keep, copy)] if capture_points else []
         executed = mask.executed if mask is not None else (True,) * self.num_items
         self._cold_prefill = start == 0 and not self.chunk_invariant
+        lean = self._lean_pass(start, q_len, cos, sin, cache)
         try:
             for layer_index in range(self.num_layers):
                 if executed[2 * layer_index]:
-                    hidden = self._attention_item(layer_index, hidden, start, cos, sin, cache)
+                    stepped = None
+                    if lean is not None:
+                        cache.check_gap(layer_index, start)
+                        stepped = lean.attention_item(layer_index, hidden)
+                    if stepped is None:
+                        hidden = self._attention_item(layer_index, hidden, start, cos, sin, cache)
+                    else:
+                        hidden = stepped
+                        cache.lengths[layer_index] = start + q_len
                 if capture_points:
                     points.append(_kept(hidden, keep, copy))
                 if executed[2 * layer_index + 1]:
-                    hidden = self.mlp_item(layer_index, hidden)
+                    stepped = lean.mlp_item(layer_index, hidden) if lean is not None else None
+                    hidden = stepped if stepped is not None else self.mlp_item(layer_index, hidden)
                 if capture_points:
                     points.append(_kept(hidden, keep, copy))
             final = hidden[0]
@@ -824,6 +835,23 @@ class SublayerEngine:
         if capture_points:
             stacked = torch.stack(points) if copy else torch.stack(points)[:, 0, keep]
         return ForwardOutput(logits=logits, hidden=final, points=stacked)
+
+    def _lean_pass(
+        self, start: int, q_len: int, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache
+    ) -> ExactLayerPass | None:
+        """The lean pass (:mod:`knapspec.model.exact_pass`) of a decode step or a
+        verification of ``q_len <= EXACT_MAX_QUERIES`` tokens at ``start`` (where
+        :meth:`_attention_item` attends through :meth:`attend_exact`); None for a prefill,
+        an inexact engine, or where it does not serve."""
+        if not self.exact or q_len > EXACT_MAX_QUERIES or (start == 0 and q_len > 1):
+            return None
+        cache.reserve(start + q_len)
+        positions = torch.arange(start, start + q_len)
+        index = (torch.zeros(q_len, dtype=torch.int64), positions)
+        lengths = (positions + 1).unsqueeze(0)
+        return ExactLayerPass.prepare(
+            self, cache, self.compiled_writes, cos, sin, index, lengths, None
+        )
 
     @torch.inference_mode()
     def forward_tree(

@@ -21,7 +21,7 @@ and the caller runs the general path for that item.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -29,12 +29,44 @@ from torch import nn
 from transformers.activations import SiLUActivation
 
 from knapspec.model import layer_ops, row_attention
-from knapspec.model.batch_cache import BatchKVCache
-
-if TYPE_CHECKING:
-    from knapspec.model.engine import SublayerEngine
 
 _DTYPES = (torch.float32, torch.bfloat16)
+
+
+class LeanEngine(Protocol):
+    """What the lean pass uses of :class:`~knapspec.model.engine.SublayerEngine` (which
+    imports this module to run it)."""
+
+    exact: bool
+    lean_passes: bool
+    compiled_norms: bool
+    compiled_rotary: bool
+    dtype: torch.dtype
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    attention_scale: float
+    layers: list[Any]
+
+    @property
+    def has_qk_norm(self) -> bool: ...
+
+    def fused_product(
+        self, group: str, layer_index: int, x: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[int, ...]] | None: ...
+
+    def project(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class LayerBuffers(Protocol):
+    """A cache whose layers' K/V live in whole buffers the compiled kernels write and read
+    (:class:`~knapspec.model.batch_cache.BatchKVCache`, and
+    :class:`~knapspec.model.cache.KVCache` as one row)."""
+
+    def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s key and value buffers, ``(rows, kvH, capacity, hd)`` each,
+        contiguous."""
+        ...
 
 
 def _silu_module(module: nn.Module | None) -> bool:
@@ -48,7 +80,8 @@ class ExactLayerPass:
     :meth:`prepare`, which returns None where the pass as a whole does not fit.
 
     Args:
-        engine, cache: the pass's engine and batch cache.
+        engine, cache: the pass's engine and cache.
+        rows: the rows the pass runs (a batch cache's active rows; 1 for a sequence).
         cos, sin: the rotary tables, ``(N, hd)`` contiguous in the engine's dtype.
         write_rows, write_positions: each token's cache row and position, ``(N,)`` int64
             contiguous.
@@ -58,8 +91,9 @@ class ExactLayerPass:
 
     def __init__(
         self,
-        engine: SublayerEngine,
-        cache: BatchKVCache,
+        engine: LeanEngine,
+        cache: LayerBuffers,
+        rows: int,
         cos: torch.Tensor,
         sin: torch.Tensor,
         write_rows: torch.Tensor,
@@ -74,15 +108,16 @@ class ExactLayerPass:
         self._attention = attention
         self._packing = packing
         self.tokens = write_rows.numel()
-        self.rows = cache.rows
+        self.rows = rows
         #: Keys the longest row's last query sees (the attention's key count).
         self.end = 0
 
     @classmethod
     def prepare(
         cls,
-        engine: SublayerEngine,
-        cache: BatchKVCache,
+        engine: LeanEngine,
+        cache: LayerBuffers,
+        compiled_writes: bool,
         cos: torch.Tensor,
         sin: torch.Tensor,
         index: tuple[torch.Tensor, torch.Tensor],
@@ -94,6 +129,7 @@ class ExactLayerPass:
         turned it off (:attr:`~knapspec.model.engine.SublayerEngine.lean_passes`).
 
         Args:
+            compiled_writes: whether the cache may be written through the compiled copy.
             cos, sin: the rotary tables, ``(rows, q, hd)`` or ``(1, T, hd)``.
             index: each token's cache row and position, ``(rows, q)`` or ``(1, T)`` int64.
             lengths: ``(rows, q_max)`` keys each query row sees (padding rows: 1).
@@ -106,7 +142,7 @@ class ExactLayerPass:
             or not engine.exact
             or not engine.compiled_norms
             or not engine.compiled_rotary
-            or not cache.compiled_writes
+            or not compiled_writes
             or engine.has_qk_norm
             or engine.dtype not in _DTYPES
         ):
@@ -121,7 +157,6 @@ class ExactLayerPass:
             or positions.numel() != tokens
             or rows_index.dtype != torch.int64
             or positions.dtype != torch.int64
-            or lengths.shape[0] != cache.rows
         ):
             return None
         attention = row_attention.BatchedAttention(
@@ -136,6 +171,7 @@ class ExactLayerPass:
         prepared = cls(
             engine,
             cache,
+            lengths.shape[0],
             cos.reshape(tokens, head_dim).contiguous(),
             sin.reshape(tokens, head_dim).contiguous(),
             rows_index.reshape(tokens).contiguous(),
