@@ -262,3 +262,51 @@ def test_a_sequences_gap_is_refused_on_the_lean_pass_too() -> None:
     assert cache.lengths == [3] * engine.num_layers
     engine.forward(torch.tensor([4]), 3, cache)  # the engine still works
     assert cache.lengths == [4] * engine.num_layers
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    context=st.integers(1, 30),
+    parents=st.lists(st.integers(0, 10), min_size=0, max_size=8),
+    bf16=st.booleans(),
+    seed=st.integers(0, 99),
+)
+def test_a_token_tree_takes_the_lean_pass_bitwise(
+    context: int, parents: list[int], bf16: bool, seed: int
+) -> None:
+    """:meth:`SublayerEngine.forward_tree` (node ``i`` written at slot ``start + i``, rotated
+    at its depth, seeing its ancestors): the same logits, K/V and lengths as the general
+    path, through the lean pass for every layer."""
+    engine = _cached_engine("llama", torch.bfloat16 if bf16 else torch.float32)
+    tree = [-1] + [min(parent, node) for node, parent in enumerate(parents)]
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, VOCAB, (context + 1,), generator=generator)
+    nodes = torch.randint(0, VOCAB, (len(tree),), generator=generator)
+    ran: list[int] = []
+    original = exact_pass.ExactLayerPass.attention_item
+
+    def counted(
+        self: exact_pass.ExactLayerPass, layer: int, hidden: torch.Tensor
+    ) -> torch.Tensor | None:
+        out = original(self, layer, hidden)
+        ran.extend([] if out is None or hidden.shape[1] != len(tree) else [layer])
+        return out
+
+    outputs, caches = [], []
+    exact_pass.ExactLayerPass.attention_item = counted  # type: ignore[method-assign]
+    try:
+        for lean in (True, False):
+            engine.lean_passes = lean
+            cache = engine.new_cache(16)
+            engine.forward(prompt, 0, cache, all_logits=False)
+            outputs.append(engine.forward_tree(nodes, context + 1, tree, cache).logits)
+            caches.append(cache)
+    finally:
+        engine.lean_passes = True
+        exact_pass.ExactLayerPass.attention_item = original  # type: ignore[method-assign]
+    assert torch.equal(outputs[0], outputs[1])
+    assert caches[0].lengths == caches[1].lengths
+    for layer in range(engine.num_layers):
+        assert torch.equal(caches[0].keys(layer), caches[1].keys(layer))
+        assert torch.equal(caches[0].values(layer), caches[1].values(layer))
+    assert ran == list(range(engine.num_layers))  # the prompt's prefill is not lean

@@ -333,6 +333,9 @@ def test_a_tree_attended_in_one_sdpa_call_fails_the_check(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(engine_module, "attend_tree_rows", one_call)
     engine = _engine("llama", torch.float32)
+    # The mutant sits in the general path; the lean pass (bitwise that path, see
+    # tests/test_exact_pass.py) would not call it.
+    engine.lean_passes = False
     parents = _random_parents(12, 3)
     assert _tree_mismatches(engine, _tokens(30, 1), _tokens(12, 2), parents, 11)
 

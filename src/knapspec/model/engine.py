@@ -811,15 +811,7 @@ class SublayerEngine:
         try:
             for layer_index in range(self.num_layers):
                 if executed[2 * layer_index]:
-                    stepped = None
-                    if lean is not None:
-                        cache.check_gap(layer_index, start)
-                        stepped = lean.attention_item(layer_index, hidden)
-                    if stepped is None:
-                        hidden = self._attention_item(layer_index, hidden, start, cos, sin, cache)
-                    else:
-                        hidden = stepped
-                        cache.lengths[layer_index] = start + q_len
+                    hidden = self._lean_attention(lean, layer_index, hidden, start, cos, sin, cache)
                 if capture_points:
                     points.append(_kept(hidden, keep, copy))
                 if executed[2 * layer_index + 1]:
@@ -837,21 +829,50 @@ class SublayerEngine:
         return ForwardOutput(logits=logits, hidden=final, points=stacked)
 
     def _lean_pass(
-        self, start: int, q_len: int, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache
+        self,
+        start: int,
+        q_len: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        tree: TreeLayout | None = None,
     ) -> ExactLayerPass | None:
-        """The lean pass (:mod:`knapspec.model.exact_pass`) of a decode step or a
-        verification of ``q_len <= EXACT_MAX_QUERIES`` tokens at ``start`` (where
-        :meth:`_attention_item` attends through :meth:`attend_exact`); None for a prefill,
-        an inexact engine, or where it does not serve."""
+        """The lean pass (:mod:`knapspec.model.exact_pass`) of a decode step, a verification
+        of ``q_len <= EXACT_MAX_QUERIES`` tokens or a token tree at ``start`` (where
+        :meth:`_attention_item` attends through the row-invariant kernel); None for a
+        prefill, an inexact engine, or where it does not serve."""
         if not self.exact or q_len > EXACT_MAX_QUERIES or (start == 0 and q_len > 1):
             return None
         cache.reserve(start + q_len)
-        positions = torch.arange(start, start + q_len)
-        index = (torch.zeros(q_len, dtype=torch.int64), positions)
-        lengths = (positions + 1).unsqueeze(0)
+        slots = torch.arange(start, start + q_len)
+        index = (torch.zeros(q_len, dtype=torch.int64), slots)
+        lengths = (slots + 1).unsqueeze(0) if tree is None else None
+        rows = (tree.prefix, tree.visible) if tree is not None else None
         return ExactLayerPass.prepare(
-            self, cache, self.compiled_writes, cos, sin, index, lengths, None
+            self, cache, self.compiled_writes, cos, sin, index, lengths, None, rows
         )
+
+    def _lean_attention(
+        self,
+        lean: ExactLayerPass | None,
+        layer_index: int,
+        hidden: torch.Tensor,
+        start: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        tree: TreeLayout | None = None,
+    ) -> torch.Tensor:
+        """Layer ``layer_index``'s attention item through ``lean`` where it serves (the
+        cache's length then set as :meth:`KVCache.write` sets it), else
+        :meth:`_attention_item`."""
+        if lean is not None:
+            cache.check_gap(layer_index, start)
+            stepped = lean.attention_item(layer_index, hidden)
+            if stepped is not None:
+                cache.lengths[layer_index] = start + hidden.shape[1]
+                return stepped
+        return self._attention_item(layer_index, hidden, start, cos, sin, cache, tree)
 
     @torch.inference_mode()
     def forward_tree(
@@ -899,10 +920,12 @@ class SublayerEngine:
         hidden = self.embed_tokens(token_ids.to(self.device)).unsqueeze(0)
         cos, sin = self.rotary(tree.positions.to(self.device), hidden)
         points: list[torch.Tensor] = [hidden[0]] if capture_points else []
+        lean = self._lean_pass(start, q_len, cos, sin, cache, tree)
         for layer_index in range(self.num_layers):
-            hidden = self._attention_item(layer_index, hidden, start, cos, sin, cache, tree)
+            hidden = self._lean_attention(lean, layer_index, hidden, start, cos, sin, cache, tree)
             points += [hidden[0]] if capture_points else []
-            hidden = self.mlp_item(layer_index, hidden)
+            stepped = lean.mlp_item(layer_index, hidden) if lean is not None else None
+            hidden = stepped if stepped is not None else self.mlp_item(layer_index, hidden)
             points += [hidden[0]] if capture_points else []
         final = hidden[0]
         stacked = torch.stack(points) if capture_points else None

@@ -121,8 +121,9 @@ class ExactLayerPass:
         cos: torch.Tensor,
         sin: torch.Tensor,
         index: tuple[torch.Tensor, torch.Tensor],
-        lengths: torch.Tensor,
+        lengths: torch.Tensor | None,
         packing: tuple[torch.Tensor, torch.Tensor] | None,
+        tree: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> ExactLayerPass | None:
         """The pass over ``index``'s tokens, or None where it does not fit (an inexact
         engine, no compiled layer operations or attention kernel, q/k norms) or the engine
@@ -132,8 +133,12 @@ class ExactLayerPass:
             compiled_writes: whether the cache may be written through the compiled copy.
             cos, sin: the rotary tables, ``(rows, q, hd)`` or ``(1, T, hd)``.
             index: each token's cache row and position, ``(rows, q)`` or ``(1, T)`` int64.
-            lengths: ``(rows, q_max)`` keys each query row sees (padding rows: 1).
+            lengths: ``(rows, q_max)`` keys each query row sees (padding rows: 1), or
+                None with ``tree``.
             packing: each packed token's row and step, or None (every row ``q`` tokens).
+            tree: one sequence's token tree instead of ``lengths``: ``(prefix, visible)``
+                as :func:`~knapspec.model.row_attention.attend_tree_rows` takes them (node
+                ``i`` written at the slot ``index`` gives it).
         """
         library = row_attention.load_library()
         if (
@@ -167,11 +172,12 @@ class ExactLayerPass:
             head_dim,
             engine.dtype,
             engine.attention_scale,
+            tree,
         )
         prepared = cls(
             engine,
             cache,
-            lengths.shape[0],
+            lengths.shape[0] if lengths is not None else 1,
             cos.reshape(tokens, head_dim).contiguous(),
             sin.reshape(tokens, head_dim).contiguous(),
             rows_index.reshape(tokens).contiguous(),
@@ -179,7 +185,7 @@ class ExactLayerPass:
             attention,
             packing,
         )
-        prepared.end = int(lengths.max())
+        prepared.end = int(positions.max()) + 1  # every row's last real token sees that far
         return prepared
 
     def _norm(self, norm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -204,6 +210,8 @@ class ExactLayerPass:
         out = self._attention(
             folded, keys.as_strided(merged, strides), values.as_strided(merged, strides)
         )
+        if out is None:  # the tree was checked when it was laid out
+            raise RuntimeError("the attention kernel refused tree rows that passed the check")
         by_query = out.view(rows, heads, q_len, head_dim).transpose(1, 2)
         if self._packing is not None:
             by_query = by_query[self._packing]  # (T, H, hd)

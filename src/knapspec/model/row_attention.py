@@ -229,30 +229,41 @@ def attend_rows_batched(
         merged_keys, merged_values = merged_keys.contiguous(), merged_values.contiguous()
     folded = query.reshape(batch * heads, q_len, head_dim).contiguous()
     call = BatchedAttention(library, lengths, heads, kv_heads, head_dim, query.dtype, scale)
-    return call(folded, merged_keys, merged_values).view(batch, heads, q_len, head_dim)
+    out = call(folded, merged_keys, merged_values)
+    assert out is not None  # only tree rows are ever refused
+    return out.view(batch, heads, q_len, head_dim)
 
 
 class BatchedAttention:
     """:func:`attend_rows_batched`'s kernel call, prepared once for a pass's layers: ``lengths
-    (B, q)`` int64 keys each query row sees; the model's ``heads``, ``kv_heads``, ``head_dim``,
-    ``dtype`` (float32 or bfloat16) and softmax ``scale``; ``library`` (:func:`load_library`)."""
+    (B, q)`` int64 keys each query row sees, or for one sequence ``tree = (prefix, visible)``
+    (``(q,)`` each, as :func:`attend_tree_rows`); the model's ``heads``, ``kv_heads``,
+    ``head_dim``, ``dtype`` (float32 or bfloat16) and softmax ``scale``; ``library``."""
 
     def __init__(
         self,
         library: ctypes.CDLL,
-        lengths: torch.Tensor,
+        lengths: torch.Tensor | None,
         heads: int,
         kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
         scale: float,
+        tree: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        batch, self.q_len = lengths.shape
+        # Row (b, h, i) sits at row t * q + i of K/V head (b, g) for h = g * groups + t;
+        # tree rows are read at row % q by the kernel.
+        if lengths is not None:
+            batch, self.q_len = lengths.shape
+            per_row = lengths.to(torch.int64)[:, None, :].expand(batch, heads, self.q_len)
+            self._rows: tuple[torch.Tensor | None, ...] = (per_row.contiguous(), None, None)
+        elif tree is not None:
+            batch, self.q_len = 1, tree[0].numel()
+            self._rows = (None, *(t.to("cpu", torch.int64).contiguous() for t in tree))
+        else:
+            raise ValueError("the attention call needs per-row lengths or a tree")
         self._library, self.head_dim, self._scale = library, head_dim, float(scale)
         self.total_kv, self.rows_per_kv_head = batch * kv_heads, heads // kv_heads * self.q_len
-        # Row (b, h, i) sits at row t * q + i of K/V head (b, g) for h = g * groups + t.
-        per_row = lengths.to(torch.int64)[:, None, :]
-        self._row_lengths = per_row.expand(batch, heads, self.q_len).contiguous()
         self._dtype, self._unit = _DTYPES[dtype], _unit(dtype, head_dim)
         self._threads = torch.get_num_threads()
         self._chunk = _chunk_rows(
@@ -261,18 +272,17 @@ class BatchedAttention:
 
     def __call__(
         self, folded: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """``folded (B * H, q, hd)`` contiguous queries over ``keys``/``values
-        (B * kvH, N, hd)`` (unit last stride, equal strides) -> ``(B * H, q, hd)``."""
+        (B * kvH, N, hd)`` (unit last stride, equal strides) -> ``(B * H, q, hd)``; None
+        where the kernel refuses a tree row (one that sees no key, or keys past ``N``)."""
         out = torch.empty_like(folded)
         status = self._library.knapspec_attend_tree(
             folded.data_ptr(),
             keys.data_ptr(),
             values.data_ptr(),
             out.data_ptr(),
-            self._row_lengths.data_ptr(),
-            None,
-            None,
+            *(t.data_ptr() if t is not None else None for t in self._rows),
             self.q_len,
             self._dtype,
             self.total_kv,
@@ -286,7 +296,9 @@ class BatchedAttention:
             self._threads,
             self._unit,
         )
-        if status:
+        if status == 3:
+            return None
+        if status:  # an allocation failure
             raise RuntimeError(f"row-invariant attention kernel failed (status {status})")
         return out
 
@@ -369,42 +381,11 @@ def _run_kernel(
     (``tree = (prefix, visible)``), all ``(q,)`` int64. None when the kernel refuses a
     tree row (one that sees no key, or keys past ``N``)."""
     heads, q_len, head_dim = query.shape
-    kv_heads, n_keys, _ = keys.shape
     if keys.stride() != values.stride() or keys.stride(-1) != 1:
         keys, values = keys.contiguous(), values.contiguous()
-    query = query.contiguous()
-    out = torch.empty_like(query)
-    # Row (h, i) of head h = g * groups + t sits at row t * q + i of K/V head g's block:
-    # lengths are repeated per head; tree rows are read at row % q by the kernel.
-    row_lengths = None if lengths is None else lengths.to(torch.int64).repeat(heads).contiguous()
-    prefix, visible = (t.to(torch.int64).contiguous() for t in tree) if tree else (None, None)
-    rows_per_kv_head = heads // kv_heads * q_len
-    threads = torch.get_num_threads()
-    unit = _unit(query.dtype, head_dim)
-    status = library.knapspec_attend_tree(
-        query.data_ptr(),
-        keys.data_ptr(),
-        values.data_ptr(),
-        out.data_ptr(),
-        *(t.data_ptr() if t is not None else None for t in (row_lengths, prefix, visible)),
-        q_len,
-        _DTYPES[query.dtype],
-        kv_heads,
-        rows_per_kv_head,
-        head_dim,
-        keys.stride(0),
-        keys.stride(1),
-        n_keys,
-        _chunk_rows(kv_heads, rows_per_kv_head, threads, bool(unit)),
-        float(scale),
-        threads,
-        unit,
-    )
-    if status == 3:
-        return None
-    if status:  # an allocation failure
-        raise RuntimeError(f"row-invariant attention kernel failed (status {status})")
-    return out
+    rows = None if lengths is None else lengths.reshape(1, q_len)
+    call = BatchedAttention(library, rows, heads, keys.shape[0], head_dim, query.dtype, scale, tree)
+    return call(query.contiguous(), keys, values)
 
 
 def _chunk_rows(kv_heads: int, rows_per_kv_head: int, threads: int, tiles: bool = False) -> int:
