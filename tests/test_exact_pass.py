@@ -9,7 +9,8 @@ it must step aside for that layer and the results stay the same.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
 
 import attrs
 import pytest
@@ -62,32 +63,46 @@ def _cached_engine(family: str, dtype: torch.dtype) -> SublayerEngine:
     return _ENGINES[key]
 
 
-@pytest.fixture
-def lean_items(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
-    """The items the lean pass ran in batched passes (not handed back to the general
-    path; the single-sequence prefills that fill the rows' caches are not counted)."""
+Keep = Callable[[exact_pass.ExactLayerPass, torch.Tensor], bool]
+
+
+@contextlib.contextmanager
+def counting(keep: Keep = lambda lean, hidden: True) -> Iterator[list[str]]:
+    """The items the lean pass ran (``"attention 0"``, ``"mlp 0"``, ...; not those it
+    handed back to the general path), of the passes ``keep`` accepts."""
     ran: list[str] = []
-    attention, mlp = exact_pass.ExactLayerPass.attention_item, exact_pass.ExactLayerPass.mlp_item
+    cls = exact_pass.ExactLayerPass
+    originals = {"attention": cls.attention_item, "mlp": cls.mlp_item}
 
-    def counted_attention(
-        self: exact_pass.ExactLayerPass, layer: int, hidden: torch.Tensor
-    ) -> torch.Tensor | None:
-        out = attention(self, layer, hidden)
-        if out is not None and isinstance(self.cache, BatchKVCache):
-            ran.append(f"attention {layer}")
-        return out
+    def counted(kind: str) -> Callable[..., torch.Tensor | None]:
+        def item(
+            lean: exact_pass.ExactLayerPass, layer: int, hidden: torch.Tensor
+        ) -> torch.Tensor | None:
+            out = originals[kind](lean, layer, hidden)
+            if out is not None and keep(lean, hidden):
+                ran.append(f"{kind} {layer}")
+            return out
 
-    def counted_mlp(
-        self: exact_pass.ExactLayerPass, layer: int, hidden: torch.Tensor
-    ) -> torch.Tensor | None:
-        out = mlp(self, layer, hidden)
-        if out is not None and isinstance(self.cache, BatchKVCache):
-            ran.append(f"mlp {layer}")
-        return out
+        return item
 
-    monkeypatch.setattr(exact_pass.ExactLayerPass, "attention_item", counted_attention)
-    monkeypatch.setattr(exact_pass.ExactLayerPass, "mlp_item", counted_mlp)
-    yield ran
+    cls.attention_item, cls.mlp_item = counted("attention"), counted("mlp")  # type: ignore[method-assign]
+    try:
+        yield ran
+    finally:
+        cls.attention_item, cls.mlp_item = originals["attention"], originals["mlp"]  # type: ignore[method-assign]
+
+
+def _batched(lean: exact_pass.ExactLayerPass, hidden: torch.Tensor) -> bool:
+    """A batched pass (not the single-sequence prefills that fill the rows' caches)."""
+    return isinstance(lean.cache, BatchKVCache)
+
+
+def _attention(ran: list[str]) -> list[str]:
+    return [item for item in ran if item.startswith("attention")]
+
+
+def _every_layer(engine: SublayerEngine) -> list[str]:
+    return [f"attention {layer}" for layer in range(engine.num_layers)]
 
 
 def _both_ways(
@@ -146,40 +161,25 @@ def test_a_lean_pass_writes_and_returns_bitwise_the_general_paths(
     if not ragged:
         widths = [max(widths)] * len(widths)
     inputs = torch.randint(0, VOCAB, (len(widths), max(widths)), generator=generator)
-    ran: list[str] = []
-    original = exact_pass.ExactLayerPass.attention_item
-
-    def counted(
-        self: exact_pass.ExactLayerPass, layer: int, hidden: torch.Tensor
-    ) -> torch.Tensor | None:
-        out = original(self, layer, hidden)
-        if out is not None and isinstance(self.cache, BatchKVCache):  # not the rows' prefills
-            ran.append(str(layer))
-        return out
-
-    exact_pass.ExactLayerPass.attention_item = counted  # type: ignore[method-assign]
-    try:
+    with counting(_batched) as ran:
         logits, buffers = _both_ways(engine, contexts, inputs, widths if ragged else None)
-    finally:
-        exact_pass.ExactLayerPass.attention_item = original  # type: ignore[method-assign]
     _assert_bitwise(logits, buffers)
-    assert ran == [str(layer) for layer in range(engine.num_layers)]
+    assert _attention(ran) == _every_layer(engine)
 
 
-def test_a_layer_skipping_mask_runs_only_its_items_alike(lean_items: list[str]) -> None:
+def test_a_layer_skipping_mask_runs_only_its_items_alike() -> None:
     """A draft step under a mask: the lean pass runs the executed items only, bitwise."""
     engine = _cached_engine("llama", torch.bfloat16)
     executed = [True, False, False, True, True, True]
     mask = SublayerMask(tuple(executed))
     inputs = torch.tensor([[5, 6], [7, 8]])
-    logits, buffers = _both_ways(engine, [4, 9], inputs, None, mask=mask)
+    with counting(_batched) as ran:
+        logits, buffers = _both_ways(engine, [4, 9], inputs, None, mask=mask)
     _assert_bitwise(logits, buffers)
-    assert lean_items == ["attention 0", "mlp 1", "attention 2", "mlp 2"]
+    assert ran == ["attention 0", "mlp 1", "attention 2", "mlp 2"]
 
 
-def test_a_layer_whose_weights_were_replaced_takes_the_general_path(
-    lean_items: list[str],
-) -> None:
+def test_a_layer_whose_weights_were_replaced_takes_the_general_path() -> None:
     """Weights replaced after the engine fused them (a new ``nn.Parameter``): that layer's
     projections no longer alias the fused matrix, the lean pass hands the layer back, and
     the pass still equals the general one (which runs the replaced weights)."""
@@ -189,22 +189,28 @@ def test_a_layer_whose_weights_were_replaced_takes_the_general_path(
     attention.k_proj.weight = torch.nn.Parameter(attention.k_proj.weight.detach().clone() * 2)
     mlp = engine.layers[2].mlp
     mlp.up_proj.weight = torch.nn.Parameter(mlp.up_proj.weight.detach().clone())
-    logits, buffers = _both_ways(engine, [3, 6, 2], torch.tensor([[1], [2], [3]]), None)
+    with counting(_batched) as ran:
+        logits, buffers = _both_ways(engine, [3, 6, 2], torch.tensor([[1], [2], [3]]), None)
     _assert_bitwise(logits, buffers)
-    assert lean_items == ["attention 0", "mlp 0", "mlp 1", "attention 2"]
+    assert ran == ["attention 0", "mlp 0", "mlp 1", "attention 2"]
 
 
-def test_q_k_norms_and_inexact_engines_keep_the_general_path(lean_items: list[str]) -> None:
+def test_q_k_norms_and_inexact_engines_keep_the_general_path() -> None:
     """Qwen3's per-head q/k norms are not in the lean pass: it is not prepared, and the
-    general path runs (nothing to compare but that it did and the pass still works)."""
+    general path runs (the pass still equals itself either way); an inexact engine's batched
+    passes and decode steps never take it."""
     engine = _cached_engine("qwen3", torch.float32)
     assert engine.has_qk_norm
-    logits, buffers = _both_ways(engine, [3, 5], torch.tensor([[1, 2], [3, 4]]), [2, 1])
-    _assert_bitwise(logits, buffers)
-    inexact = SublayerEngine(tiny_model("llama", 3), progress=False, exact=False)
-    cache = new_batch_cache(inexact, 1, 8)
-    forward_batch(inexact, torch.tensor([[1, 2]]), [0], cache)
-    assert lean_items == []
+    with counting() as ran:
+        logits, buffers = _both_ways(engine, [3, 5], torch.tensor([[1, 2], [3, 4]]), [2, 1])
+        _assert_bitwise(logits, buffers)
+        inexact = SublayerEngine(tiny_model("llama", 3), progress=False, exact=False)
+        cache = new_batch_cache(inexact, 1, 8)
+        forward_batch(inexact, torch.tensor([[1, 2]]), [0], cache)
+        single = inexact.new_cache(8)
+        inexact.forward(torch.tensor([1, 2]), 0, single, all_logits=False)
+        inexact.forward(torch.tensor([3]), 2, single)  # a decode step, inexact: not lean
+    assert ran == []
 
 
 @settings(max_examples=20, deadline=None)
@@ -221,35 +227,24 @@ def test_a_sequences_decode_and_verify_steps_take_the_lean_pass_bitwise(
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, VOCAB, (context,), generator=generator)
     step = torch.randint(0, VOCAB, (width,), generator=generator)
-    ran: list[int] = []
-    original = exact_pass.ExactLayerPass.attention_item
-
-    def counted(
-        self: exact_pass.ExactLayerPass, layer: int, hidden: torch.Tensor
-    ) -> torch.Tensor | None:
-        out = original(self, layer, hidden)
-        ran.extend([] if out is None else [layer])
-        return out
-
     outputs, caches = [], []
-    exact_pass.ExactLayerPass.attention_item = counted  # type: ignore[method-assign]
-    try:
-        for lean in (True, False):
-            engine.lean_passes = lean
-            cache = engine.new_cache(16)  # grows during the step: the lean pass reserves
-            engine.forward(prompt, 0, cache, all_logits=False)
-            outputs.append(engine.forward(step, context, cache).logits)
-            caches.append(cache)
-    finally:
-        engine.lean_passes = True
-        exact_pass.ExactLayerPass.attention_item = original  # type: ignore[method-assign]
+    with counting() as ran:
+        try:
+            for lean in (True, False):
+                engine.lean_passes = lean
+                cache = engine.new_cache(16)  # grows during the step: the lean pass reserves
+                engine.forward(prompt, 0, cache, all_logits=False)
+                outputs.append(engine.forward(step, context, cache).logits)
+                caches.append(cache)
+        finally:
+            engine.lean_passes = True
     assert torch.equal(outputs[0], outputs[1])
     assert caches[0].lengths == caches[1].lengths == [context + width] * engine.num_layers
     for layer in range(engine.num_layers):
         assert torch.equal(caches[0].keys(layer), caches[1].keys(layer))
         assert torch.equal(caches[0].values(layer), caches[1].values(layer))
     # The prefill ran the general path (position 0, several tokens) unless it was one token.
-    assert ran == list(range(engine.num_layers)) * (2 if context == 1 else 1)
+    assert _attention(ran) == _every_layer(engine) * (2 if context == 1 else 1)
 
 
 def test_a_sequences_gap_is_refused_on_the_lean_pass_too() -> None:
@@ -282,31 +277,20 @@ def test_a_token_tree_takes_the_lean_pass_bitwise(
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, VOCAB, (context + 1,), generator=generator)
     nodes = torch.randint(0, VOCAB, (len(tree),), generator=generator)
-    ran: list[int] = []
-    original = exact_pass.ExactLayerPass.attention_item
-
-    def counted(
-        self: exact_pass.ExactLayerPass, layer: int, hidden: torch.Tensor
-    ) -> torch.Tensor | None:
-        out = original(self, layer, hidden)
-        ran.extend([] if out is None or hidden.shape[1] != len(tree) else [layer])
-        return out
-
     outputs, caches = [], []
-    exact_pass.ExactLayerPass.attention_item = counted  # type: ignore[method-assign]
-    try:
-        for lean in (True, False):
-            engine.lean_passes = lean
-            cache = engine.new_cache(16)
-            engine.forward(prompt, 0, cache, all_logits=False)
-            outputs.append(engine.forward_tree(nodes, context + 1, tree, cache).logits)
-            caches.append(cache)
-    finally:
-        engine.lean_passes = True
-        exact_pass.ExactLayerPass.attention_item = original  # type: ignore[method-assign]
+    with counting() as ran:
+        try:
+            for lean in (True, False):
+                engine.lean_passes = lean
+                cache = engine.new_cache(16)
+                engine.forward(prompt, 0, cache, all_logits=False)  # not lean: a prefill
+                outputs.append(engine.forward_tree(nodes, context + 1, tree, cache).logits)
+                caches.append(cache)
+        finally:
+            engine.lean_passes = True
     assert torch.equal(outputs[0], outputs[1])
     assert caches[0].lengths == caches[1].lengths
     for layer in range(engine.num_layers):
         assert torch.equal(caches[0].keys(layer), caches[1].keys(layer))
         assert torch.equal(caches[0].values(layer), caches[1].values(layer))
-    assert ran == list(range(engine.num_layers))  # the prompt's prefill is not lean
+    assert _attention(ran) == _every_layer(engine)

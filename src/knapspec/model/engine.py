@@ -723,10 +723,17 @@ class SublayerEngine:
         sin: torch.Tensor,
         cache: KVCache,
         tree: TreeLayout | None = None,
+        lean: ExactLayerPass | None = None,
     ) -> torch.Tensor:
         """Run layer ``layer_index``'s attention item on ``hidden (1, q, d)``, writing K/V
         (with ``tree``, node ``i`` at slot ``start + i``, attending as :meth:`forward_tree`
-        says)."""
+        says); through ``lean`` (:meth:`_lean_pass`) where it serves this layer."""
+        if lean is not None:
+            cache.check_gap(layer_index, start)
+            stepped = lean.attention_item(layer_index, hidden)
+            if stepped is not None:
+                cache.lengths[layer_index] = start + hidden.shape[1]  # as KVCache.write sets
+                return stepped
         layer = self.layers[layer_index]
         q_len = hidden.shape[1]
         query, key, value = self.project_qkv(
@@ -811,7 +818,9 @@ class SublayerEngine:
         try:
             for layer_index in range(self.num_layers):
                 if executed[2 * layer_index]:
-                    hidden = self._lean_attention(lean, layer_index, hidden, start, cos, sin, cache)
+                    hidden = self._attention_item(
+                        layer_index, hidden, start, cos, sin, cache, lean=lean
+                    )
                 if capture_points:
                     points.append(_kept(hidden, keep, copy))
                 if executed[2 * layer_index + 1]:
@@ -851,28 +860,6 @@ class SublayerEngine:
         return ExactLayerPass.prepare(
             self, cache, self.compiled_writes, cos, sin, index, lengths, None, rows
         )
-
-    def _lean_attention(
-        self,
-        lean: ExactLayerPass | None,
-        layer_index: int,
-        hidden: torch.Tensor,
-        start: int,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        cache: KVCache,
-        tree: TreeLayout | None = None,
-    ) -> torch.Tensor:
-        """Layer ``layer_index``'s attention item through ``lean`` where it serves (the
-        cache's length then set as :meth:`KVCache.write` sets it), else
-        :meth:`_attention_item`."""
-        if lean is not None:
-            cache.check_gap(layer_index, start)
-            stepped = lean.attention_item(layer_index, hidden)
-            if stepped is not None:
-                cache.lengths[layer_index] = start + hidden.shape[1]
-                return stepped
-        return self._attention_item(layer_index, hidden, start, cos, sin, cache, tree)
 
     @torch.inference_mode()
     def forward_tree(
@@ -922,7 +909,7 @@ class SublayerEngine:
         points: list[torch.Tensor] = [hidden[0]] if capture_points else []
         lean = self._lean_pass(start, q_len, cos, sin, cache, tree)
         for layer_index in range(self.num_layers):
-            hidden = self._lean_attention(lean, layer_index, hidden, start, cos, sin, cache, tree)
+            hidden = self._attention_item(layer_index, hidden, start, cos, sin, cache, tree, lean)
             points += [hidden[0]] if capture_points else []
             stepped = lean.mlp_item(layer_index, hidden) if lean is not None else None
             hidden = stepped if stepped is not None else self.mlp_item(layer_index, hidden)
