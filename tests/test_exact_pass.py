@@ -294,3 +294,25 @@ def test_a_token_tree_takes_the_lean_pass_bitwise(
         assert torch.equal(caches[0].keys(layer), caches[1].keys(layer))
         assert torch.equal(caches[0].values(layer), caches[1].values(layer))
     assert _attention(ran) == _every_layer(engine)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_other_families_take_the_lean_pass_bitwise(family: str) -> None:
+    """Qwen2 (biases on q/k/v, through the fused product's bias) and Mistral: a ragged
+    batched pass and a sequence's verification equal the general path, through the lean
+    pass at every layer."""
+    engine = _cached_engine(family, torch.bfloat16)
+    with counting(_batched) as ran:
+        logits, buffers = _both_ways(engine, [2, 7, 4], torch.tensor([[1, 2, 3]] * 3), [3, 1, 2])
+    _assert_bitwise(logits, buffers)
+    assert _attention(ran) == _every_layer(engine)
+    outputs = []
+    with counting() as ran:
+        for lean in (True, False):
+            engine.lean_passes = lean
+            cache = engine.new_cache(16)
+            engine.forward(torch.tensor([4, 5, 6]), 0, cache, all_logits=False)
+            outputs.append(engine.forward(torch.tensor([7, 8]), 3, cache).logits)
+        engine.lean_passes = True
+    assert torch.equal(outputs[0], outputs[1])
+    assert _attention(ran) == _every_layer(engine)
