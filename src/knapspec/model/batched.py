@@ -421,8 +421,7 @@ def forward_batch(
                 )
             hidden = hidden + engine.project(layer.self_attn.o_proj, attended)
         if executed[2 * layer_index + 1]:
-            stepped = lean.mlp_item(layer_index, hidden) if lean is not None else None
-            hidden = stepped if stepped is not None else engine.mlp_item(layer_index, hidden)
+            hidden = engine.mlp_item(layer_index, hidden, lean)
     if packing is None:
         if all_logits and packed_logits:
             return engine.logits(hidden.reshape(rows * q_len, -1))

@@ -311,9 +311,10 @@ class SublayerEngine:
         # fewer. Decided before anything runs a forward (the kernel probe below does).
         #: Whether batch caches write K/V through one compiled copy (bitwise; any engine).
         self.compiled_writes: bool = compiled_layer_ops and self.device.type == "cpu"
-        #: Whether exact batched passes run their layer items through
-        #: :class:`~knapspec.model.exact_pass.ExactLayerPass` (bitwise the general path,
-        #: its per-pass work done once; False runs the general path, for A/B runs).
+        #: Whether exact batched passes, decode steps, verifications and token trees run
+        #: their layer items through :class:`~knapspec.model.exact_pass.ExactLayerPass`
+        #: (bitwise the general path, its per-pass work done once; False runs the general
+        #: path, for A/B runs).
         self.lean_passes: bool = True
         compiled = compiled_layer_ops and exact and self.device.type == "cpu"
         norms = [
@@ -758,8 +759,16 @@ class SublayerEngine:
         output: torch.Tensor = hidden + self.project(layer.self_attn.o_proj, attended)
         return output
 
-    def mlp_item(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor:
-        """The residual stream ``(b, q, d)`` after layer ``layer_index``'s MLP sublayer."""
+    def mlp_item(
+        self, layer_index: int, hidden: torch.Tensor, lean: ExactLayerPass | None = None
+    ) -> torch.Tensor:
+        """The residual stream ``(b, q, d)`` after layer ``layer_index``'s MLP sublayer
+        (through ``lean``, a pass's :class:`~knapspec.model.exact_pass.ExactLayerPass`,
+        where it serves this layer: bitwise the same)."""
+        if lean is not None:
+            stepped = lean.mlp_item(layer_index, hidden)
+            if stepped is not None:
+                return stepped
         layer = self.layers[layer_index]
         output: torch.Tensor = hidden + self._gated_mlp(
             layer_index, self.normed(layer.post_attention_layernorm, hidden)
@@ -824,8 +833,7 @@ class SublayerEngine:
                 if capture_points:
                     points.append(_kept(hidden, keep, copy))
                 if executed[2 * layer_index + 1]:
-                    stepped = lean.mlp_item(layer_index, hidden) if lean is not None else None
-                    hidden = stepped if stepped is not None else self.mlp_item(layer_index, hidden)
+                    hidden = self.mlp_item(layer_index, hidden, lean)
                 if capture_points:
                     points.append(_kept(hidden, keep, copy))
             final = hidden[0]
@@ -911,8 +919,7 @@ class SublayerEngine:
         for layer_index in range(self.num_layers):
             hidden = self._attention_item(layer_index, hidden, start, cos, sin, cache, tree, lean)
             points += [hidden[0]] if capture_points else []
-            stepped = lean.mlp_item(layer_index, hidden) if lean is not None else None
-            hidden = stepped if stepped is not None else self.mlp_item(layer_index, hidden)
+            hidden = self.mlp_item(layer_index, hidden, lean)
             points += [hidden[0]] if capture_points else []
         final = hidden[0]
         stacked = torch.stack(points) if capture_points else None
