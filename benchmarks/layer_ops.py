@@ -6,17 +6,20 @@ buffer (:mod:`knapspec.model.layer_ops`); off, the model's modules and PyTorch's
 writes (``compiled_layer_ops=False``). ``--compare lean-pass``: exact batched passes run
 their layer items through :class:`~knapspec.model.exact_pass.ExactLayerPass` (the same
 kernels, per-pass work done once); off, the engine's general layer methods
-(``engine.lean_passes = False``). This times plain batched rounds (the autoregressive
-planner: every row one token a round) of Spec-Bench first turns on the real SmolLM2, both
-settings on one engine, interleaved in blocks (on, off, on, off, ...), and reports the
-median round per setting and rows; then one sequence's steps through
+(``engine.lean_passes = False``). ``--compare layer-loop``: a lean pass that runs every
+sublayer runs its layer loop as one compiled call (:mod:`knapspec.model.layer_loop`); off,
+its items one by one from Python (``engine.compiled_loop = False``). This times plain
+batched rounds (the autoregressive planner: every row one token a round) of Spec-Bench
+first turns on the real SmolLM2, both settings on one engine, interleaved in blocks (on,
+off, on, off, ...), and reports the median round per setting and rows; then one
+sequence's steps through
 ``SublayerEngine.forward`` (``--sequence-widths``: a decode step, a 5-token verification),
 the same way.
 
 Writes ``results/engine/<compare>-<cpu>.jsonl``: one line per rows and setting (median,
 p10, p90 round in ms over every timed round of its blocks) and a summary line per rows.
 
-    python benchmarks/layer_ops.py [--compare layer-ops|lean-pass] [--rows 1 4 16]
+    python benchmarks/layer_ops.py [--compare layer-ops|lean-pass|layer-loop] [--rows 1 4 16]
         [--sequence-widths 1 5] [--blocks 4] [--rounds 30] [--dtype bfloat16]
 """
 
@@ -57,6 +60,9 @@ def _set(engine: SublayerEngine, compare: str, on: bool, built: tuple[bool, bool
     if compare == "lean-pass":
         engine.lean_passes = on
         return
+    if compare == "layer-loop":
+        engine.compiled_loop = on
+        return
     engine.compiled_norms, engine.compiled_rotary, engine.compiled_writes = (
         built if on else (False, False, False)
     )
@@ -73,7 +79,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--compare", choices=("layer-ops", "lean-pass"), default="layer-ops")
+    parser.add_argument(
+        "--compare", choices=("layer-ops", "lean-pass", "layer-loop"), default="layer-ops"
+    )
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--blocks", type=int, default=4, help="blocks per setting")
     parser.add_argument("--rounds", type=int, default=30, help="timed rounds per block")

@@ -32,9 +32,13 @@ VOCAB = 97
 
 def _engine(family: str = "llama", dtype: torch.dtype = torch.float32) -> SublayerEngine:
     """An exact engine on a tiny model that fuses q/k/v and gate/up at every row count (what
-    the lean pass serves; the measured table of a tiny model on one thread may not)."""
+    the lean pass serves; the measured table of a tiny model on one thread may not), its
+    lean passes running their items one by one (the compiled layer loop, which replaces
+    them where it serves, is compared with them in ``test_layer_loop.py``)."""
     model = tiny_model(family, 3) if dtype == torch.float32 else _bf16_model(family)
-    return _fusing(SublayerEngine(model, progress=False))
+    engine = _fusing(SublayerEngine(model, progress=False))
+    engine.compiled_loop = False
+    return engine
 
 
 def _fusing(engine: SublayerEngine) -> SublayerEngine:
@@ -185,6 +189,7 @@ def test_a_layer_whose_weights_were_replaced_takes_the_general_path() -> None:
     the pass still equals the general one (which runs the replaced weights)."""
     model = testing.tiny_model("llama", 3, 0)
     engine = _fusing(SublayerEngine(model, progress=False))
+    engine.compiled_loop = False
     attention = engine.layers[1].self_attn
     attention.k_proj.weight = torch.nn.Parameter(attention.k_proj.weight.detach().clone() * 2)
     mlp = engine.layers[2].mlp

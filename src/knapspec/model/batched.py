@@ -24,8 +24,7 @@ draft's K/V lie past each row's committed length, where the full-model verificat
 follows overwrites every layer (it covers every drafted position), so a row's committed
 tokens are never touched by a draft.
 
-The engine's own :meth:`~knapspec.model.engine.SublayerEngine.forward` stays the
-single-sequence path, unchanged: a batch of one is not routed through here.
+A batch of one is not routed here: it runs :meth:`~knapspec.model.engine.SublayerEngine.forward`.
 """
 
 from __future__ import annotations
@@ -394,11 +393,12 @@ def forward_batch(
     if exact:
         lengths = query_lengths(starts, row_widths_all, max(row_widths_all))
         packed = packing is not None
-        # Same kernels and inputs as below, per-pass work done once (module exact_pass).
+        # Same kernels as below, per-pass work done once; all sublayers: in one C call.
         lean = ExactLayerPass.prepare(
             engine, cache, cache.compiled_writes, cos, sin, index, lengths, packing
         )
-    for layer_index, layer in enumerate(engine.layers):
+    looped = lean.run_layers(hidden) if lean is not None and all(executed) else None
+    for layer_index, layer in enumerate(engine.layers if looped is None else ()):
         attend = executed[2 * layer_index]
         stepped = lean.attention_item(layer_index, hidden) if lean and attend else None
         if stepped is not None:
@@ -422,6 +422,7 @@ def forward_batch(
             hidden = hidden + engine.project(layer.self_attn.o_proj, attended)
         if executed[2 * layer_index + 1]:
             hidden = engine.mlp_item(layer_index, hidden, lean)
+    hidden = hidden if looped is None else looped
     if packing is None:
         if all_logits and packed_logits:
             return engine.logits(hidden.reshape(rows * q_len, -1))

@@ -316,6 +316,10 @@ class SublayerEngine:
         #: (bitwise the general path, its per-pass work done once; False runs the general
         #: path, for A/B runs).
         self.lean_passes: bool = True
+        #: Whether a lean pass that runs every sublayer runs its whole layer loop as one
+        #: compiled call (:mod:`knapspec.model.layer_loop`; bitwise the same; False runs
+        #: its items one by one, for A/B runs).
+        self.compiled_loop: bool = True
         compiled = compiled_layer_ops and exact and self.device.type == "cpu"
         norms = [
             norm
@@ -481,20 +485,24 @@ class SublayerEngine:
 
         Anything but a plain ``nn.Linear`` (a quantised or hooked layer) runs as itself.
         """
-        if type(module) is nn.Linear:
-            rows = x.numel() // x.shape[-1]
-            weight = module.weight
-            if rows <= self._max_rows:
-                kernels = self._dispatch.get(weight.shape)
-                if kernels is not None:
-                    return kernels[rows](x, weight, module.bias)
-            else:
-                large = self._prefill_large if self._cold_prefill else self._large
-                kernel = large.get(weight.shape)
-                if kernel is not None:
-                    return kernel(x, weight, module.bias)
+        kernel = self.project_kernel(module, x.numel() // x.shape[-1])
+        if kernel is not None:
+            assert isinstance(module, nn.Linear)  # project_kernel serves nothing else
+            return kernel(x, module.weight, module.bias)
         result: torch.Tensor = module(x)
         return result
+
+    def project_kernel(self, module: nn.Module, rows: int) -> Kernel | None:
+        """The kernel :meth:`project` runs ``module`` with over ``rows`` rows, or None where
+        the module runs as itself (not a plain ``nn.Linear``, or no kernel for its shape)."""
+        if type(module) is not nn.Linear:
+            return None
+        shape = module.weight.shape
+        if rows <= self._max_rows:
+            kernels = self._dispatch.get(shape)
+            return kernels[rows] if kernels is not None else None
+        large = self._prefill_large if self._cold_prefill else self._large
+        return large.get(shape)
 
     def normed(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``norm(x)`` for one of a layer's RMSNorms ``x (..., d)``: one compiled call
@@ -528,18 +536,23 @@ class SublayerEngine:
         fuse_large: bool,
     ) -> torch.Tensor | None:
         """:meth:`_fused`'s one product ``(..., Σ sizes)``, or None where it runs the parts."""
-        rows = x.numel() // x.shape[-1]
+        kernel = self._fused_kernel(fused, fuse_rows, x.numel() // x.shape[-1], fuse_large)
+        return None if kernel is None else kernel(x, fused.weight, fused.bias)
+
+    def _fused_kernel(
+        self, fused: FusedProjection, fuse_rows: tuple[bool, ...], rows: int, fuse_large: bool
+    ) -> Kernel | None:
+        """The kernel of ``fused``'s one product over ``rows`` rows, or None where the parts
+        run one by one (this many rows not fused, or the fusion no longer current)."""
         small = rows <= self._max_rows
         fuse_large = fuse_large and not self._cold_prefill
         if not ((fuse_rows[rows] if small else fuse_large) and fused.is_current()):
             return None
-        weight = fused.weight
+        shape = fused.weight.shape
         if small:
-            kernels = self._dispatch.get(weight.shape)
-            kernel = kernels[rows] if kernels is not None else _PLAIN
-        else:
-            kernel = self._large.get(weight.shape, _PLAIN)
-        return kernel(x, weight, fused.bias)
+            kernels = self._dispatch.get(shape)
+            return kernels[rows] if kernels is not None else _PLAIN
+        return self._large.get(shape, _PLAIN)
 
     def fused_product(
         self, group: str, layer_index: int, x: torch.Tensor
@@ -548,14 +561,26 @@ class SublayerEngine:
         methods compute it for ``x (..., d)`` where they run it as one product: that
         output ``(..., Σ sizes)`` and the parts' sizes; None where they run the parts
         one by one (no fusion, this many rows not fused, weights replaced)."""
+        fusion = self.fusion(group, layer_index, x.numel() // x.shape[-1])
+        if fusion is None:
+            return None
+        fused, kernel = fusion
+        return kernel(x, fused.weight, fused.bias), fused.sizes
+
+    def fusion(
+        self, group: str, layer_index: int, rows: int
+    ) -> tuple[FusedProjection, Kernel] | None:
+        """Layer ``layer_index``'s ``group`` (``"qkv"`` or ``"gate_up"``) fusion and the
+        kernel of its one product over ``rows`` rows, where the layer methods run it as
+        one product (:meth:`fused_product`); else None."""
         if group == "qkv":
-            fused, rows, large = (
+            fused, fuse_rows, large = (
                 self._fused_qkv[layer_index],
                 self._fuse_qkv_rows,
                 self._fuse_qkv_large,
             )
         elif group == "gate_up":
-            fused, rows, large = (
+            fused, fuse_rows, large = (
                 self._fused_gate_up[layer_index],
                 self._fuse_gate_up_rows,
                 self._fuse_gate_up_large,
@@ -566,8 +591,8 @@ class SublayerEngine:
             raise ValueError(f"unknown fusion group {group!r}; expected 'qkv' or 'gate_up'")
         if fused is None:
             return None
-        product = self._fused_product(fused, rows, x, large)
-        return None if product is None else (product, fused.sizes)
+        kernel = self._fused_kernel(fused, fuse_rows, rows, large)
+        return None if kernel is None else (fused, kernel)
 
     def _gated_mlp(self, layer_index: int, x: torch.Tensor) -> torch.Tensor:
         """``down(act(gate(x)) * up(x))``, the Llama/Mistral/Qwen MLP, via :meth:`project`."""
@@ -824,8 +849,11 @@ class SublayerEngine:
         executed = mask.executed if mask is not None else (True,) * self.num_items
         self._cold_prefill = start == 0 and not self.chunk_invariant
         lean = self._lean_pass(start, q_len, cos, sin, cache)
+        looped = None
+        if lean is not None and not capture_points and all(executed):
+            looped = self._run_loop(lean, hidden, start, cache)
         try:
-            for layer_index in range(self.num_layers):
+            for layer_index in range(self.num_layers if looped is None else 0):
                 if executed[2 * layer_index]:
                     hidden = self._attention_item(
                         layer_index, hidden, start, cos, sin, cache, lean=lean
@@ -836,7 +864,7 @@ class SublayerEngine:
                     hidden = self.mlp_item(layer_index, hidden, lean)
                 if capture_points:
                     points.append(_kept(hidden, keep, copy))
-            final = hidden[0]
+            final = hidden[0] if looped is None else looped[0]
             logits = self.logits(final if all_logits else final[-1:])
         finally:
             self._cold_prefill = False
@@ -844,6 +872,21 @@ class SublayerEngine:
         if capture_points:
             stacked = torch.stack(points) if copy else torch.stack(points)[:, 0, keep]
         return ForwardOutput(logits=logits, hidden=final, points=stacked)
+
+    def _run_loop(
+        self, lean: ExactLayerPass, hidden: torch.Tensor, start: int, cache: KVCache
+    ) -> torch.Tensor | None:
+        """``lean``'s whole layer loop in one compiled call (:meth:`ExactLayerPass.run_layers`)
+        over a single-sequence ``cache`` holding ``start`` tokens in every layer: the last
+        layer's residual stream ``(1, q, d)``, every layer's length set; None where it does
+        not serve."""
+        for layer_index in range(self.num_layers):
+            cache.check_gap(layer_index, start)
+        looped = lean.run_layers(hidden)
+        if looped is not None:
+            for layer_index in range(self.num_layers):  # as KVCache.write sets them
+                cache.lengths[layer_index] = start + hidden.shape[1]
+        return looped
 
     def _lean_pass(
         self,
@@ -916,12 +959,15 @@ class SublayerEngine:
         cos, sin = self.rotary(tree.positions.to(self.device), hidden)
         points: list[torch.Tensor] = [hidden[0]] if capture_points else []
         lean = self._lean_pass(start, q_len, cos, sin, cache, tree)
-        for layer_index in range(self.num_layers):
+        looped = None
+        if lean is not None and not capture_points:
+            looped = self._run_loop(lean, hidden, start, cache)
+        for layer_index in range(self.num_layers if looped is None else 0):
             hidden = self._attention_item(layer_index, hidden, start, cos, sin, cache, tree, lean)
             points += [hidden[0]] if capture_points else []
             hidden = self.mlp_item(layer_index, hidden, lean)
             points += [hidden[0]] if capture_points else []
-        final = hidden[0]
+        final = hidden[0] if looped is None else looped[0]
         stacked = torch.stack(points) if capture_points else None
         return ForwardOutput(logits=self.logits(final), hidden=final, points=stacked)
 

@@ -20,7 +20,7 @@ and the caller runs the general path for that item.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import SiLUActivation
 
-from knapspec.model import layer_ops, row_attention
+from knapspec.model import layer_loop, layer_ops, row_attention
+from knapspec.model.fusion import FusedProjection
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -39,6 +40,8 @@ class LeanEngine(Protocol):
 
     exact: bool
     lean_passes: bool
+    compiled_loop: bool
+    kernels: Any
     compiled_norms: bool
     compiled_rotary: bool
     dtype: torch.dtype
@@ -56,6 +59,14 @@ class LeanEngine(Protocol):
     ) -> tuple[torch.Tensor, tuple[int, ...]] | None: ...
 
     def project(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
+
+    def project_kernel(
+        self, module: nn.Module, rows: int
+    ) -> Callable[..., torch.Tensor] | None: ...
+
+    def fusion(
+        self, group: str, layer_index: int, rows: int
+    ) -> tuple[FusedProjection, Callable[..., torch.Tensor]] | None: ...
 
 
 class LayerBuffers(Protocol):
@@ -216,6 +227,25 @@ class ExactLayerPass:
         if self._packing is not None:
             by_query = by_query[self._packing]  # (T, H, hd)
         return by_query.reshape(self.tokens, heads * head_dim)
+
+    def run_layers(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The residual stream after every layer's attention and MLP items, all in one
+        compiled call (:mod:`knapspec.model.layer_loop`, bitwise these items one by one),
+        every layer's K/V written; or None, nothing written, where that call does not serve
+        this pass (the caller then runs the items)."""
+        return layer_loop.run_layers(
+            self.engine,
+            self.cache.buffers,
+            hidden,
+            self._cos,
+            self._sin,
+            self._write_rows,
+            self._write_positions,
+            self._packing,
+            self._attention,
+            self.rows,
+            self.end,
+        )
 
     def attention_item(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor | None:
         """The residual stream ``(rows, q, d)`` / ``(1, T, d)`` after layer

@@ -270,6 +270,18 @@ class BatchedAttention:
             self.total_kv, self.rows_per_kv_head, self._threads, bool(self._unit)
         )
 
+    def row_pointers(self) -> tuple[int | None, int | None, int | None]:
+        """The kernel's ``lengths``, ``tree_prefix`` and ``tree_visible`` arguments (data
+        pointers, None where unused), for a caller that calls the kernel from C
+        (:mod:`knapspec.model.layer_loop`; this object keeps the tensors alive)."""
+        lengths, prefix, visible = (t.data_ptr() if t is not None else None for t in self._rows)
+        return lengths, prefix, visible
+
+    @property
+    def settings(self) -> tuple[int, int, float, int]:
+        """The kernel's ``chunk``, ``unit``, ``scale`` and ``threads`` arguments."""
+        return self._chunk, self._unit, self._scale, self._threads
+
     def __call__(
         self, folded: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> torch.Tensor | None:

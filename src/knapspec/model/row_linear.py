@@ -239,7 +239,10 @@ def amx_pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(n16 // 16, 16, k32 // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
-def _amx_weight(weight: torch.Tensor) -> torch.Tensor:
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` packed as :func:`amx_pack` lays it out, made on first use and kept while
+    the weight lives (made again if it changes in place): what the AMX and packed-linear
+    kernels read."""
     return _derived(_amx_packed, weight, amx_pack)
 
 
@@ -288,7 +291,7 @@ def _tiled_product(
         flat = flat.contiguous()
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    packed = _amx_weight(weight)
+    packed = packed_weight(weight)
     out = torch.empty((*shape[:-1], out_features), dtype=x.dtype)
     rows = flat.shape[0]
     if rows:
@@ -369,6 +372,7 @@ __all__ = [
     "one_row_at_a_time",
     "packed_available",
     "packed_linear",
+    "packed_weight",
     "release_amx_packed",
     "row_linear",
 ]

@@ -1,0 +1,347 @@
+"""An exact pass's decoder layers in one compiled call (``csrc/layer_loop.c``).
+
+A lean exact pass (:class:`~knapspec.model.exact_pass.ExactLayerPass`) runs, per layer,
+about fifteen Python-level calls: the compiled RMSNorm, rotary, K/V writes, attention and
+products, a few tensor operations between them, and the Python around each. On a 2-core
+AMD EPYC Zen 4 (bfloat16, SmolLM2-135M, 30 layers) those calls with their kernels stubbed
+out still took 3.5 of a 13.7 ms one-token step, 3.9 of a 15.8 ms five-token verification.
+
+:func:`run_layers` hands the whole layer loop to one C function that calls the same
+kernels through their function pointers with the same arguments, and does the steps
+between them as PyTorch does them in bfloat16 (the residual adds and the SiLU product in
+float32, rounded once; SiLU read from a table of ``F.silu``'s own outputs for all 65,536
+bfloat16 inputs, checked against ``F.silu`` in the layout the layer runs it in). Every
+output and K/V entry is bitwise the Python loop's (the tests compare them).
+
+It serves bfloat16 passes whose every layer runs its fused q/k/v and gate/up products and
+its output and down products on the compiled packed kernels (``packed-linear`` or
+``amx-tiles``); anything else (float32, another kernel, replaced weights, a skipped
+sublayer, captured hidden states) returns None and the caller runs the Python loop.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import SiLUActivation
+
+from knapspec.model import layer_ops, row_attention, row_linear
+from knapspec.model.compiled import CompiledLibrary
+from knapspec.model.fusion import FusedProjection
+
+#: Pointers per layer and sizes per pass, as ``csrc/layer_loop.c`` lays them out.
+_LAYER_SLOTS, _SIZES = 14, 15
+
+#: The compiled products the loop calls, by the Python kernel that runs them.
+_PRODUCTS: dict[Callable[..., torch.Tensor], tuple[str, Callable[[], bool]]] = {
+    row_linear.packed_linear: ("knapspec_packed_linear", row_linear.packed_available),
+    row_linear.amx_linear: ("knapspec_amx_linear", row_linear.amx_available),
+}
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    ptr = ctypes.c_void_p
+    loop = library.knapspec_layer_loop
+    loop.restype = ctypes.c_int
+    loop.argtypes = [ptr, ctypes.c_int64, *(ptr,) * 14, ctypes.c_float, ptr, ptr]
+    library.knapspec_layer_loop_scratch.restype = ctypes.c_int64
+    library.knapspec_layer_loop_scratch.argtypes = [ptr]
+    library.knapspec_layer_loop_slots.restype = ctypes.c_int
+    library.knapspec_layer_loop_slots.argtypes = []
+    if library.knapspec_layer_loop_slots() != _LAYER_SLOTS * 1000 + _SIZES:
+        raise AttributeError("csrc/layer_loop.c lays out its arguments otherwise")
+
+
+LIBRARY = CompiledLibrary(
+    "layer_loop.c",
+    "the compiled layer loop",
+    "exact passes run their layer items one by one from Python",
+    _declare,
+    flags=("-ffp-contract=off",),
+)
+
+#: Names of the steps in the loop's status codes (status // 1000).
+_STEPS = (
+    "",
+    "sizes",
+    "input RMSNorm",
+    "q/k/v product",
+    "rotary",
+    "K/V write",
+    "attention",
+    "output product",
+    "post-attention RMSNorm",
+    "gate/up product",
+    "down product",
+)
+
+
+class LoopEngine(Protocol):
+    """What the loop uses of :class:`~knapspec.model.engine.SublayerEngine`."""
+
+    compiled_loop: bool
+    kernels: Any
+    dtype: torch.dtype
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    layers: list[Any]
+
+    def fusion(
+        self, group: str, layer_index: int, rows: int
+    ) -> tuple[FusedProjection, Callable[..., torch.Tensor]] | None: ...
+
+    def project_kernel(
+        self, module: nn.Module, rows: int
+    ) -> Callable[..., torch.Tensor] | None: ...
+
+
+def _address(library: ctypes.CDLL, name: str) -> int:
+    address = ctypes.cast(getattr(library, name), ctypes.c_void_p).value
+    assert address is not None
+    return address
+
+
+_silu: torch.Tensor | None = None
+
+
+def silu_table(feed_width: int) -> torch.Tensor | None:
+    """``F.silu`` of every bfloat16 bit pattern, ``(65536,)`` bfloat16 indexed by the
+    pattern, or None where ``F.silu`` over rows of ``feed_width`` gates read from a fused
+    gate/up output (the layout the layer runs it in) does not give exactly those values
+    (its vector and scalar paths may round differently; the table holds the vector path's).
+    """
+    global _silu
+    if _silu is None:
+        patterns = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+        _silu = F.silu(patterns)
+    rows = -(-65536 // feed_width)
+    patterns = torch.arange(rows * feed_width, dtype=torch.int32) % 65536
+    fused = torch.zeros(rows, 2 * feed_width, dtype=torch.bfloat16)
+    fused[:, :feed_width] = patterns.to(torch.int16).view(torch.bfloat16).view(rows, feed_width)
+    expected = _silu.view(torch.int16)[patterns.view(rows, feed_width)]
+    if not torch.equal(F.silu(fused[:, :feed_width]).view(torch.int16), expected):
+        return None
+    return _silu
+
+
+class _Plan:
+    """One engine's layer pointers for passes of one token count, with what they were made
+    from (:meth:`current` says whether they still hold)."""
+
+    def __init__(self, engine: LoopEngine, tokens: int) -> None:
+        self.ok = False
+        self._table = engine.kernels  # another table (the autotuner swaps them) runs others
+        self._sources: list[tuple[nn.Module, str, torch.Tensor, int]] = []
+        self._fusions: list[tuple[FusedProjection, int]] = []
+        self._keep: list[torch.Tensor] = []
+        pointers: list[int] = []
+        eps: list[float] = []
+        width, kv_width = engine.num_heads * engine.head_dim, engine.kv_heads * engine.head_dim
+        feed_width = 0
+        products_library = row_linear.LIBRARY.load()
+        if products_library is None:
+            return
+        for index, layer in enumerate(engine.layers):
+            mlp, attention = layer.mlp, layer.self_attn
+            qkv = engine.fusion("qkv", index, tokens)
+            gate_up = engine.fusion("gate_up", index, tokens)
+            o_proj, down = attention.o_proj, getattr(mlp, "down_proj", None)
+            if (
+                qkv is None
+                or gate_up is None
+                or down is None
+                or qkv[0].sizes != (width, kv_width, kv_width)
+                or len(gate_up[0].sizes) != 2
+                or gate_up[0].sizes[0] != gate_up[0].sizes[1]
+                or type(getattr(mlp, "act_fn", None)) not in (SiLUActivation, nn.SiLU)
+                or (index and gate_up[0].sizes[0] != feed_width)
+            ):
+                return
+            feed_width = gate_up[0].sizes[0]
+            products = (
+                (qkv[0].weight, qkv[0].bias, qkv[1]),
+                (o_proj.weight, o_proj.bias, engine.project_kernel(o_proj, tokens)),
+                (gate_up[0].weight, gate_up[0].bias, gate_up[1]),
+                (down.weight, down.bias, engine.project_kernel(down, tokens)),
+            )
+            functions: list[int] = []
+            for weight, bias, kernel in products:
+                entry = _PRODUCTS.get(kernel) if kernel is not None else None
+                if (
+                    entry is None
+                    or not entry[1]()
+                    or weight.dtype != torch.bfloat16
+                    or weight.shape[1] % 32
+                    or (bias is not None and bias.dtype != torch.bfloat16)
+                ):
+                    return
+                functions.append(_address(products_library, entry[0]))
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            for norm in norms:
+                self._sources.append((norm, "weight", norm.weight, norm.weight._version))
+            for module in (o_proj, down):
+                self._sources.append((module, "weight", module.weight, module.weight._version))
+            for fused in (qkv[0], gate_up[0]):
+                self._fusions.append((fused, fused.weight._version))
+            slots: list[int] = []
+            for (weight, bias, _), function in zip(products, functions, strict=True):
+                packed = row_linear.packed_weight(weight)
+                bias = bias.contiguous() if bias is not None else None
+                self._keep += [packed] + ([bias] if bias is not None else [])
+                slots += [packed.data_ptr(), bias.data_ptr() if bias is not None else 0, function]
+            in_norm, post_norm = (norm.weight.contiguous() for norm in norms)
+            self._keep += [in_norm, post_norm]
+            pointers += [in_norm.data_ptr(), *slots[:6], post_norm.data_ptr(), *slots[6:]]
+            eps += [float(norm.variance_epsilon) for norm in norms]
+        silu = silu_table(feed_width) if engine.layers else None
+        if silu is None:
+            return
+        self.silu = silu
+        self.pointers = torch.tensor(pointers, dtype=torch.int64)
+        self.eps = torch.tensor(eps, dtype=torch.float32)
+        self.feed_width = feed_width
+        self.ok = True
+
+    def current(self, engine: LoopEngine) -> bool:
+        """Whether ``engine`` still runs the kernel table the plan was made under and every
+        weight the plan points at is still the module's, unchanged."""
+        if engine.kernels is not self._table:
+            return False
+        for module, name, tensor, version in self._sources:
+            if module._parameters.get(name) is not tensor or tensor._version != version:
+                return False
+        return all(f.is_current() and f.weight._version == v for f, v in self._fusions)
+
+
+#: Per engine, its plans by token count (None: that count does not fit the loop).
+_plans: weakref.WeakKeyDictionary[Any, dict[int, _Plan]] = weakref.WeakKeyDictionary()
+
+
+def _plan(engine: LoopEngine, tokens: int) -> _Plan | None:
+    plans = _plans.setdefault(engine, {})
+    plan = plans.get(tokens)
+    if plan is None or not plan.current(engine):
+        plan = plans[tokens] = _Plan(engine, tokens)
+    return plan if plan.ok else None
+
+
+def _functions() -> torch.Tensor | None:
+    """The small operations' and the attention's addresses, or None where either library is
+    missing."""
+    ops, attention = layer_ops.LIBRARY.load(), row_attention.LIBRARY.load()
+    if ops is None or attention is None:
+        return None
+    names = ((ops, "knapspec_rms_norm"), (ops, "knapspec_rotary"), (ops, "knapspec_scatter"))
+    addresses = [_address(library, name) for library, name in names]
+    return torch.tensor(
+        [*addresses, _address(attention, "knapspec_attend_tree")], dtype=torch.int64
+    )
+
+
+_function_table: torch.Tensor | None = None
+
+
+def run_layers(
+    engine: LoopEngine,
+    buffers: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    write_rows: torch.Tensor,
+    write_positions: torch.Tensor,
+    packing: tuple[torch.Tensor, torch.Tensor] | None,
+    attention: row_attention.BatchedAttention,
+    rows: int,
+    end: int,
+) -> torch.Tensor | None:
+    """Every layer of an exact pass in one compiled call: the residual stream after the last
+    layer, shaped like ``hidden``, with every layer's K/V written; or None, nothing touched,
+    where the pass does not fit (module docstring).
+
+    Args:
+        buffers: layer -> its key and value buffers ``(slots, kvH, capacity, hd)``.
+        hidden: ``(rows, q, d)`` or ``(1, T, d)`` bfloat16, the embedded tokens (not changed).
+        cos, sin: ``(N, hd)`` contiguous; write_rows, write_positions: ``(N,)`` int64
+            contiguous, each token's cache slot and position.
+        packing: each packed token's row and step ``(T,)`` int64 each, or None.
+        attention: the pass's prepared attention call; rows: its rows; end: its key count.
+    """
+    global _function_table
+    library = LIBRARY.load()
+    if library is None or not engine.compiled_loop or hidden.dtype != torch.bfloat16:
+        return None
+    tokens = write_rows.numel()
+    plan = _plan(engine, tokens)
+    if plan is None:
+        return None
+    if _function_table is None:
+        _function_table = _functions()
+        if _function_table is None:
+            return None
+    kv: list[int] = []
+    for layer in range(len(engine.layers)):
+        keys, values = buffers(layer)
+        kv += [keys.data_ptr(), values.data_ptr()]
+    slots, _, capacity, _ = keys.shape
+    chunk, unit, scale, threads = attention.settings
+    dims = torch.tensor(
+        [
+            tokens,
+            hidden.shape[-1],
+            engine.num_heads,
+            engine.kv_heads,
+            engine.head_dim,
+            plan.feed_width,
+            rows,
+            attention.q_len,
+            slots,
+            capacity,
+            end,
+            chunk,
+            unit,
+            threads,
+            0,
+        ],
+        dtype=torch.int64,
+    )
+    dims[-1] = library.knapspec_layer_loop_scratch(dims.data_ptr())
+    scratch = torch.empty(int(dims[-1]), dtype=torch.bfloat16)
+    out = hidden.clone(memory_format=torch.contiguous_format)
+    kv_table = torch.tensor(kv, dtype=torch.int64)
+    token_row, token_step = packing if packing is not None else (None, None)
+    lengths, prefix, visible = attention.row_pointers()
+    status = library.knapspec_layer_loop(
+        out.data_ptr(),
+        len(engine.layers),
+        plan.pointers.data_ptr(),
+        plan.eps.data_ptr(),
+        kv_table.data_ptr(),
+        _function_table.data_ptr(),
+        dims.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        write_rows.data_ptr(),
+        write_positions.data_ptr(),
+        None if token_row is None else token_row.data_ptr(),
+        None if token_step is None else token_step.data_ptr(),
+        lengths,
+        prefix,
+        visible,
+        scale,
+        plan.silu.data_ptr(),
+        scratch.data_ptr(),
+    )
+    if status:
+        step = _STEPS[status // 1000] if status // 1000 < len(_STEPS) else "?"
+        raise RuntimeError(f"the compiled layer loop failed in its {step} (status {status})")
+    return out
+
+
+__all__ = ["LIBRARY", "LoopEngine", "run_layers", "silu_table"]
