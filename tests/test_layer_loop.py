@@ -4,9 +4,11 @@ replaces.
 The loop calls the same kernels with the same arguments as the lean pass's items and does
 the steps between them (residual adds, SiLU times up) as PyTorch does them in bfloat16, so
 every logit and every K/V entry must be bitwise the items': batched passes with equal or
-ragged widths, a sequence's decode and verification steps, token trees, Llama, Qwen2
-(biases) and Mistral; and where it does not serve (float32, a layer-skipping mask, captured
-hidden states, weights changed after it was planned) it must step aside or re-plan.
+ragged widths, a sequence's decode and verification steps, token trees, bfloat16 (packed
+products, SiLU from the table or the callback) and float32 (``row-linear``, SiLU through
+the callback), Llama, Qwen2 (biases) and Mistral; and where it does not serve (a kernel it
+cannot call, a layer-skipping mask, captured hidden states) it must step aside, and where
+weights changed after it planned, plan again.
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ from knapspec import testing
 from knapspec.model import layer_loop, row_linear
 from knapspec.model.batched import forward_batch, new_batch_cache
 from knapspec.model.engine import SublayerEngine
-from knapspec.model.kernels import AMX_KERNEL, FUSION_GROUPS, PACKED_KERNEL
+from knapspec.model.kernels import (
+    AMX_KERNEL,
+    FUSION_GROUPS,
+    PACKED_KERNEL,
+    ROW_LINEAR_KERNEL,
+    ROWWISE_KERNEL,
+    KernelTable,
+)
 from knapspec.types import SublayerMask
 
 VOCAB = 97
@@ -39,36 +48,48 @@ def _packed_kernel() -> str | None:
     return None
 
 
-needs_kernels = pytest.mark.skipif(
-    _packed_kernel() is None or layer_loop.LIBRARY.load() is None,
-    reason="the loop calls the packed bfloat16 products: this CPU has neither AVX512-BF16 "
-    "nor AMX tiles (or no C compiler)",
+needs_compiler = pytest.mark.skipif(
+    layer_loop.LIBRARY.load() is None or row_linear.LIBRARY.load() is None,
+    reason="no C compiler: the loop and the compiled products do not run here",
 )
+needs_packed = pytest.mark.skipif(
+    _packed_kernel() is None,
+    reason="the bfloat16 loop calls the packed products: this CPU has neither AVX512-BF16 "
+    "nor AMX tiles",
+)
+DTYPES = [
+    pytest.param(torch.bfloat16, marks=needs_packed, id="bf16"),
+    pytest.param(torch.float32, id="fp32"),
+]
+pytestmark = needs_compiler
 
-_ENGINES: dict[str, SublayerEngine] = {}
+_ENGINES: dict[tuple[str, torch.dtype], SublayerEngine] = {}
 
 
-def _engine(family: str = "llama") -> SublayerEngine:
-    """An exact bfloat16 engine on a tiny model whose every product runs the packed kernel
-    and fuses q/k/v and gate/up at every row count (what the loop serves; the measured
-    table of a tiny model may choose others)."""
-    if family not in _ENGINES:
-        model = testing.tiny_model(family, 3, 0).to(torch.bfloat16)
+def _engine(family: str = "llama", dtype: torch.dtype = torch.bfloat16) -> SublayerEngine:
+    """An exact engine on a tiny model whose every product runs a compiled kernel the loop
+    calls (bfloat16: the packed one; float32: ``row-linear``) and fuses q/k/v and gate/up
+    at every row count (what the loop serves; the measured table of a tiny model may choose
+    others)."""
+    if (family, dtype) not in _ENGINES:
+        model = testing.tiny_model(family, 3, 0).to(dtype)
         engine = SublayerEngine(model, progress=False)
-        table = engine.kernels
-        name = _packed_kernel()
+        name = _packed_kernel() if dtype == torch.bfloat16 else ROW_LINEAR_KERNEL
         assert name is not None
-        shapes = {*table.choices, *table.large}
-        engine.use_kernels(
-            attrs.evolve(
-                table,
-                choices={shape: (name,) * table.max_rows for shape in shapes},
-                large=dict.fromkeys(shapes, name),
-                fuse={group: (True,) * table.max_rows for group in FUSION_GROUPS},
-            )
-        )
-        _ENGINES[family] = engine
-    return _ENGINES[family]
+        engine.use_kernels(_table(engine, name))
+        _ENGINES[family, dtype] = engine
+    return _ENGINES[family, dtype]
+
+
+def _table(engine: SublayerEngine, name: str) -> KernelTable:
+    table = engine.kernels
+    shapes = {*table.choices, *table.large}
+    return attrs.evolve(
+        table,
+        choices={shape: (name,) * table.max_rows for shape in shapes},
+        large=dict.fromkeys(shapes, name),
+        fuse={group: (True,) * table.max_rows for group in FUSION_GROUPS},
+    )
 
 
 @contextlib.contextmanager
@@ -139,20 +160,20 @@ def test_the_silu_table_holds_pytorchs_vector_path_and_refuses_other_layouts() -
         assert layer_loop.silu_table(1) is None  # the scalar path differs: width 1 refused
 
 
-@needs_kernels
-@settings(max_examples=25, deadline=None)
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=20, deadline=None)
 @given(
     widths=st.lists(st.integers(1, 5), min_size=1, max_size=4),
     ragged=st.booleans(),
     seed=st.integers(0, 99),
 )
 def test_a_batched_pass_through_the_loop_is_bitwise_its_items(
-    widths: list[int], ragged: bool, seed: int
+    dtype: torch.dtype, widths: list[int], ragged: bool, seed: int
 ) -> None:
     """Equal widths (padded layout) or ragged ones (packed tokens, zero padding queries):
     the same logits and K/V buffers bit for bit, and the loop ran the pass (mutation
     check: a loop that rotated only the queries or skipped the value write fails here)."""
-    engine = _engine()
+    engine = _engine("llama", dtype)
     generator = torch.Generator().manual_seed(seed)
     contexts = [int(torch.randint(1, 30, (1,), generator=generator)) for _ in widths]
     if not ragged:
@@ -164,15 +185,15 @@ def test_a_batched_pass_through_the_loop_is_bitwise_its_items(
     assert sum(widths) in ran
 
 
-@needs_kernels
-@settings(max_examples=20, deadline=None)
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=15, deadline=None)
 @given(context=st.integers(1, 30), width=st.integers(1, 6), seed=st.integers(0, 99))
 def test_a_sequences_steps_through_the_loop_are_bitwise_its_items(
-    context: int, width: int, seed: int
+    dtype: torch.dtype, context: int, width: int, seed: int
 ) -> None:
     """A decode step or a verification after a prefill: the same logits, K/V and lengths in
     every layer as the items, through the loop."""
-    engine = _engine()
+    engine = _engine("llama", dtype)
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, VOCAB, (context,), generator=generator)
     step = torch.randint(0, VOCAB, (width,), generator=generator)
@@ -196,19 +217,19 @@ def test_a_sequences_steps_through_the_loop_are_bitwise_its_items(
     assert width in ran
 
 
-@needs_kernels
-@settings(max_examples=15, deadline=None)
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=10, deadline=None)
 @given(
     context=st.integers(1, 30),
     parents=st.lists(st.integers(0, 10), min_size=0, max_size=8),
     seed=st.integers(0, 99),
 )
 def test_a_token_tree_through_the_loop_is_bitwise_its_items(
-    context: int, parents: list[int], seed: int
+    dtype: torch.dtype, context: int, parents: list[int], seed: int
 ) -> None:
     """:meth:`SublayerEngine.forward_tree`: node ``i`` at slot ``start + i``, seeing its
     ancestors: the same logits, K/V and lengths as the items."""
-    engine = _engine()
+    engine = _engine("llama", dtype)
     tree = [-1] + [min(parent, node) for node, parent in enumerate(parents)]
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, VOCAB, (context + 1,), generator=generator)
@@ -232,12 +253,14 @@ def test_a_token_tree_through_the_loop_is_bitwise_its_items(
     assert len(tree) in ran
 
 
-@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
-def test_other_families_through_the_loop_are_bitwise_their_items(family: str) -> None:
+def test_other_families_through_the_loop_are_bitwise_their_items(
+    family: str, dtype: torch.dtype
+) -> None:
     """Qwen2 (q/k/v biases, passed to the fused product) and Mistral: a ragged batched pass
     and a sequence's verification, through the loop, bitwise the items."""
-    engine = _engine(family)
+    engine = _engine(family, dtype)
     with looped() as ran:
         logits, buffers = _batched_both_ways(
             engine, [2, 7, 4], torch.tensor([[1, 2, 3]] * 3), [3, 1, 2]
@@ -256,29 +279,95 @@ def test_other_families_through_the_loop_are_bitwise_their_items(family: str) ->
     assert ran == [2]
 
 
-@needs_kernels
-def test_a_mask_captured_points_and_float32_keep_the_items() -> None:
-    """A layer-skipping draft pass, a step that captures the residual stream at every point
-    and a float32 engine do not take the loop (their passes run the items)."""
+@needs_packed
+def test_a_mask_and_captured_points_keep_the_items() -> None:
+    """A layer-skipping draft pass and a step that captures the residual stream at every
+    point do not take the loop (their passes run the items)."""
     engine = _engine()
     with looped() as ran:
         mask = SublayerMask((True, False, False, True, True, True))
-        logits, buffers = _batched_both_ways(
-            engine, [4, 9], torch.tensor([[5, 6], [7, 8]]), None, mask
-        )
+        inputs = torch.tensor([[5, 6], [7, 8]])
+        logits, buffers = _batched_both_ways(engine, [4, 9], inputs, None, mask)
         _assert_bitwise(logits, buffers)
         cache = engine.new_cache(16)
         engine.forward(torch.tensor([1, 2, 3]), 0, cache, all_logits=False)
         captured = engine.forward(torch.tensor([4]), 3, cache, capture_points=True)
         assert captured.points is not None
-        float32 = SublayerEngine(testing.tiny_model("llama", 3, 0), progress=False)
-        single = float32.new_cache(8)
-        float32.forward(torch.tensor([1, 2]), 0, single, all_logits=False)
-        float32.forward(torch.tensor([3]), 2, single)
     assert ran == []
 
 
-@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mixed", [False, True], ids=["rowwise", "mixed"])
+def test_kernels_c_cannot_call_run_through_the_callback_bitwise(
+    dtype: torch.dtype, mixed: bool
+) -> None:
+    """Products on a kernel the loop cannot call from C (``rowwise``: one ``F.linear`` per
+    row; on an AMX Xeon ``transposed-padded``, oneDNN) run through its product callback,
+    alone or beside compiled ones: still bitwise the items, through the loop."""
+    model = testing.tiny_model("llama", 3, 0).to(dtype)
+    engine = SublayerEngine(model, progress=False)
+    table = _table(engine, ROWWISE_KERNEL)
+    if mixed:  # the fused q/k/v and the down product compiled, the others called back
+        compiled = _engine("llama", dtype).kernels
+        keep = {(64 + 2 * 32, 64), (64, 128)}  # (q + k + v, d) and (d, ff) of the tiny model
+        choices = {
+            shape: compiled.choices[shape] if shape in keep else names
+            for shape, names in table.choices.items()
+        }
+        table = attrs.evolve(table, choices=choices)
+    engine.use_kernels(table)
+    with looped() as ran:
+        logits, buffers = _batched_both_ways(engine, [3, 8], torch.tensor([[1, 2], [3, 4]]), [2, 1])
+    _assert_bitwise(logits, buffers)
+    assert ran == [3]
+
+
+@needs_packed
+def test_bf16_without_the_table_runs_silu_through_the_callback_bitwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the SiLU table does not hold for a model's layout, the bfloat16 loop runs
+    PyTorch's SiLU through its callback instead, still bitwise the items."""
+    monkeypatch.setattr(layer_loop, "silu_table", lambda feed_width: None)
+    model = testing.tiny_model("llama", 3, 0).to(torch.bfloat16)
+    engine = SublayerEngine(model, progress=False)
+    engine.use_kernels(_engine().kernels)
+    with looped() as ran:
+        logits, buffers = _batched_both_ways(engine, [3, 8], torch.tensor([[1, 2], [3, 4]]), [2, 1])
+    _assert_bitwise(logits, buffers)
+    assert ran == [3]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_pass_that_fails_in_the_loop_raises_and_the_engine_goes_on(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure inside the loop (here PyTorch's SiLU raising in the callback) raises a
+    RuntimeError that names the step, leaves the cache's lengths where they were, and the
+    next step runs and equals the items'."""
+    model = testing.tiny_model("llama", 3, 0).to(dtype)
+    engine = SublayerEngine(model, progress=False)
+    engine.use_kernels(_engine("llama", dtype).kernels)
+    monkeypatch.setattr(layer_loop, "silu_table", lambda feed_width: None)
+    cache = engine.new_cache(16)
+    engine.forward(torch.tensor([1, 2, 3]), 0, cache, all_logits=False)
+
+    def broken(x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("injected")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(layer_loop.F, "silu", broken)
+        with pytest.raises(RuntimeError, match="failed in its SiLU"):
+            engine.forward(torch.tensor([4]), 3, cache)
+    assert cache.lengths == [3] * engine.num_layers
+    on = engine.forward(torch.tensor([4]), 3, cache).logits
+    engine.compiled_loop = False
+    cache.crop(3)
+    off = engine.forward(torch.tensor([4]), 3, cache).logits
+    assert torch.equal(on, off)
+
+
+@needs_packed
 def test_weights_changed_after_planning_are_planned_again() -> None:
     """A weight changed in place after the loop planned its pointers (its version moves)
     and another kernel table: the loop plans again and still equals the items, which run

@@ -8,15 +8,19 @@ out still took 3.5 of a 13.7 ms one-token step, 3.9 of a 15.8 ms five-token veri
 
 :func:`run_layers` hands the whole layer loop to one C function that calls the same
 kernels through their function pointers with the same arguments, and does the steps
-between them as PyTorch does them in bfloat16 (the residual adds and the SiLU product in
-float32, rounded once; SiLU read from a table of ``F.silu``'s own outputs for all 65,536
-bfloat16 inputs, checked against ``F.silu`` in the layout the layer runs it in). Every
-output and K/V entry is bitwise the Python loop's (the tests compare them).
+between them as PyTorch does them: the residual adds in the pass's dtype (in bfloat16 in
+float32, rounded once), and SiLU times up either from a table of ``F.silu``'s own outputs
+for all 65,536 bfloat16 inputs (checked against ``F.silu`` in the layout the layer runs
+it in: PyTorch's scalar path, which finishes rows of other widths, rounds some inputs
+otherwise) or, in float32 or where the table does not hold, through a callback that runs
+PyTorch's own SiLU and product on the loop's buffers. Every output and K/V entry is bitwise
+the Python loop's (the tests compare them).
 
-It serves bfloat16 passes whose every layer runs its fused q/k/v and gate/up products and
-its output and down products on the compiled packed kernels (``packed-linear`` or
-``amx-tiles``); anything else (float32, another kernel, replaced weights, a skipped
-sublayer, captured hidden states) returns None and the caller runs the Python loop.
+It serves passes that run every sublayer, with every layer's fused q/k/v and gate/up
+products and its output and down products on compiled kernels (``packed-linear``,
+``amx-tiles`` or ``row-linear``); anything else (another kernel, weights replaced since the
+fusion, a skipped sublayer, captured hidden states) returns None and the caller runs the
+Python loop.
 """
 
 from __future__ import annotations
@@ -36,20 +40,24 @@ from knapspec.model.compiled import CompiledLibrary
 from knapspec.model.fusion import FusedProjection
 
 #: Pointers per layer and sizes per pass, as ``csrc/layer_loop.c`` lays them out.
-_LAYER_SLOTS, _SIZES = 14, 15
-
-#: The compiled products the loop calls, by the Python kernel that runs them.
-_PRODUCTS: dict[Callable[..., torch.Tensor], tuple[str, Callable[[], bool]]] = {
-    row_linear.packed_linear: ("knapspec_packed_linear", row_linear.packed_available),
-    row_linear.amx_linear: ("knapspec_amx_linear", row_linear.amx_available),
-}
+_LAYER_SLOTS, _SIZES = 18, 16
+#: How the loop runs a product (``csrc/layer_loop.c``'s PACKED, ROW_LINEAR, CALLBACK): a C
+#: kernel with either argument convention, or a kernel C cannot call, through a callback.
+_PACKED, _ROW_LINEAR, _CALLBACK = 0, 1, 2
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+#: ``activate(gate_up, gated, tokens) -> status``, the loop's callback for SiLU times up.
+_ACTIVATE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+#: ``product(layer, which, x, out, tokens) -> status``, its callback for other kernels.
+_PRODUCT = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64
+)
 
 
 def _declare(library: ctypes.CDLL) -> None:
     ptr = ctypes.c_void_p
     loop = library.knapspec_layer_loop
     loop.restype = ctypes.c_int
-    loop.argtypes = [ptr, ctypes.c_int64, *(ptr,) * 14, ctypes.c_float, ptr, ptr]
+    loop.argtypes = [ptr, ctypes.c_int64, *(ptr,) * 14, ctypes.c_float, *(ptr,) * 4]
     library.knapspec_layer_loop_scratch.restype = ctypes.c_int64
     library.knapspec_layer_loop_scratch.argtypes = [ptr]
     library.knapspec_layer_loop_slots.restype = ctypes.c_int
@@ -78,6 +86,7 @@ _STEPS = (
     "output product",
     "post-attention RMSNorm",
     "gate/up product",
+    "SiLU",
     "down product",
 )
 
@@ -131,6 +140,38 @@ def silu_table(feed_width: int) -> torch.Tensor | None:
     return _silu
 
 
+def _product(
+    kernel: Callable[..., torch.Tensor] | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    library: ctypes.CDLL,
+) -> tuple[torch.Tensor, torch.Tensor | None, int, int] | None:
+    """What the loop passes for one product that ``kernel`` runs: the weight as the kernel
+    reads it, the bias, the C function's address (0 for a callback) and how it runs; None
+    where the product does not run through a kernel at all (the module runs itself)."""
+    dtype = _DTYPES.get(weight.dtype)
+    if kernel is None or dtype is None or (bias is not None and bias.dtype != weight.dtype):
+        return None
+    if kernel in (row_linear.packed_linear, row_linear.amx_linear):
+        packed = kernel is row_linear.packed_linear
+        if (
+            weight.dtype == torch.bfloat16
+            and weight.shape[1] % 32 == 0
+            and (row_linear.packed_available() if packed else row_linear.amx_available())
+        ):
+            name = "knapspec_packed_linear" if packed else "knapspec_amx_linear"
+            bias = bias.contiguous() if bias is not None else None
+            return row_linear.packed_weight(weight), bias, _address(library, name), _PACKED
+    elif (
+        kernel is row_linear.row_linear
+        and weight.shape[1] % int(library.knapspec_row_linear_chunk(dtype)) == 0
+    ):
+        bias = bias.contiguous() if bias is not None else None
+        address = _address(library, "knapspec_row_linear")
+        return weight.contiguous(), bias, address, _ROW_LINEAR
+    return weight, bias, 0, _CALLBACK  # the kernel itself, called back (it may pad, pack)
+
+
 class _Plan:
     """One engine's layer pointers for passes of one token count, with what they were made
     from (:meth:`current` says whether they still hold)."""
@@ -141,12 +182,14 @@ class _Plan:
         self._sources: list[tuple[nn.Module, str, torch.Tensor, int]] = []
         self._fusions: list[tuple[FusedProjection, int]] = []
         self._keep: list[torch.Tensor] = []
+        #: The products the loop calls back for (layer * 4 + which: kernel, weight, bias).
+        self.called_back: dict[int, tuple[Callable[..., torch.Tensor], torch.Tensor, Any]] = {}
         pointers: list[int] = []
         eps: list[float] = []
         width, kv_width = engine.num_heads * engine.head_dim, engine.kv_heads * engine.head_dim
         feed_width = 0
-        products_library = row_linear.LIBRARY.load()
-        if products_library is None:
+        library = row_linear.LIBRARY.load()
+        if library is None or not engine.layers:
             return
         for index, layer in enumerate(engine.layers):
             mlp, attention = layer.mlp, layer.self_attn
@@ -165,24 +208,13 @@ class _Plan:
             ):
                 return
             feed_width = gate_up[0].sizes[0]
-            products = (
-                (qkv[0].weight, qkv[0].bias, qkv[1]),
-                (o_proj.weight, o_proj.bias, engine.project_kernel(o_proj, tokens)),
-                (gate_up[0].weight, gate_up[0].bias, gate_up[1]),
-                (down.weight, down.bias, engine.project_kernel(down, tokens)),
+            kernels = (
+                (qkv[1], qkv[0].weight, qkv[0].bias),
+                (engine.project_kernel(o_proj, tokens), o_proj.weight, o_proj.bias),
+                (gate_up[1], gate_up[0].weight, gate_up[0].bias),
+                (engine.project_kernel(down, tokens), down.weight, down.bias),
             )
-            functions: list[int] = []
-            for weight, bias, kernel in products:
-                entry = _PRODUCTS.get(kernel) if kernel is not None else None
-                if (
-                    entry is None
-                    or not entry[1]()
-                    or weight.dtype != torch.bfloat16
-                    or weight.shape[1] % 32
-                    or (bias is not None and bias.dtype != torch.bfloat16)
-                ):
-                    return
-                functions.append(_address(products_library, entry[0]))
+            products = [_product(k, w, b, library) for k, w, b in kernels]
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             for norm in norms:
                 self._sources.append((norm, "weight", norm.weight, norm.weight._version))
@@ -191,19 +223,20 @@ class _Plan:
             for fused in (qkv[0], gate_up[0]):
                 self._fusions.append((fused, fused.weight._version))
             slots: list[int] = []
-            for (weight, bias, _), function in zip(products, functions, strict=True):
-                packed = row_linear.packed_weight(weight)
-                bias = bias.contiguous() if bias is not None else None
-                self._keep += [packed] + ([bias] if bias is not None else [])
-                slots += [packed.data_ptr(), bias.data_ptr() if bias is not None else 0, function]
+            for which, ((kernel, _, _), entry) in enumerate(zip(kernels, products, strict=True)):
+                if entry is None or kernel is None:
+                    return
+                weight, bias, function, convention = entry
+                if convention == _CALLBACK:
+                    self.called_back[4 * index + which] = (kernel, weight, bias)
+                self._keep += [weight] + ([bias] if bias is not None else [])
+                bias_pointer = bias.data_ptr() if bias is not None else 0
+                slots += [weight.data_ptr(), bias_pointer, function, convention]
             in_norm, post_norm = (norm.weight.contiguous() for norm in norms)
             self._keep += [in_norm, post_norm]
-            pointers += [in_norm.data_ptr(), *slots[:6], post_norm.data_ptr(), *slots[6:]]
+            pointers += [in_norm.data_ptr(), *slots[:8], post_norm.data_ptr(), *slots[8:]]
             eps += [float(norm.variance_epsilon) for norm in norms]
-        silu = silu_table(feed_width) if engine.layers else None
-        if silu is None:
-            return
-        self.silu = silu
+        self.silu = silu_table(feed_width) if engine.dtype == torch.bfloat16 else None
         self.pointers = torch.tensor(pointers, dtype=torch.int64)
         self.eps = torch.tensor(eps, dtype=torch.float32)
         self.feed_width = feed_width
@@ -248,6 +281,47 @@ def _functions() -> torch.Tensor | None:
 _function_table: torch.Tensor | None = None
 
 
+def _activation(scratch: torch.Tensor, feed_width: int) -> Any:
+    """The loop's SiLU-times-up callback over ``scratch``'s buffers: PyTorch's own
+    ``silu(gate) * up`` (as the layer's MLP item computes it) from the fused gate/up output
+    into the gated buffer, both given as pointers into ``scratch``."""
+    base, size = scratch.data_ptr(), scratch.element_size()
+
+    def activate(gate_up: int, gated: int, tokens: int) -> int:
+        try:
+            start = (gate_up - base) // size
+            fused = scratch[start : start + tokens * 2 * feed_width].view(tokens, 2 * feed_width)
+            start = (gated - base) // size
+            out = scratch[start : start + tokens * feed_width].view(tokens, feed_width)
+            torch.mul(F.silu(fused[:, :feed_width]), fused[:, feed_width:], out=out)
+        except Exception:  # an exception must not cross into C: fail the pass instead
+            return 1
+        return 0
+
+    return _ACTIVATE(activate)
+
+
+def _products(scratch: torch.Tensor, plan: _Plan) -> Any:
+    """The loop's callback for the products it cannot call in C: ``plan``'s kernel for that
+    layer and product over the input in ``scratch``, its output copied to ``scratch``."""
+    base, size = scratch.data_ptr(), scratch.element_size()
+
+    def product(layer: int, which: int, x: int, out: int, tokens: int) -> int:
+        try:
+            kernel, weight, bias = plan.called_back[4 * layer + which]
+            width, out_width = weight.shape[1], weight.shape[0]
+            start = (x - base) // size
+            source = scratch[start : start + tokens * width].view(tokens, width)
+            start = (out - base) // size
+            target = scratch[start : start + tokens * out_width].view(tokens, out_width)
+            target.copy_(kernel(source, weight, bias))
+        except Exception:  # an exception must not cross into C: fail the pass instead
+            return 1
+        return 0
+
+    return _PRODUCT(product)
+
+
 def run_layers(
     engine: LoopEngine,
     buffers: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
@@ -267,7 +341,8 @@ def run_layers(
 
     Args:
         buffers: layer -> its key and value buffers ``(slots, kvH, capacity, hd)``.
-        hidden: ``(rows, q, d)`` or ``(1, T, d)`` bfloat16, the embedded tokens (not changed).
+        hidden: ``(rows, q, d)`` or ``(1, T, d)`` float32 or bfloat16, the embedded tokens
+            (not changed).
         cos, sin: ``(N, hd)`` contiguous; write_rows, write_positions: ``(N,)`` int64
             contiguous, each token's cache slot and position.
         packing: each packed token's row and step ``(T,)`` int64 each, or None.
@@ -275,7 +350,8 @@ def run_layers(
     """
     global _function_table
     library = LIBRARY.load()
-    if library is None or not engine.compiled_loop or hidden.dtype != torch.bfloat16:
+    dtype = _DTYPES.get(hidden.dtype)
+    if library is None or not engine.compiled_loop or dtype is None:
         return None
     tokens = write_rows.numel()
     plan = _plan(engine, tokens)
@@ -291,28 +367,13 @@ def run_layers(
         kv += [keys.data_ptr(), values.data_ptr()]
     slots, _, capacity, _ = keys.shape
     chunk, unit, scale, threads = attention.settings
-    dims = torch.tensor(
-        [
-            tokens,
-            hidden.shape[-1],
-            engine.num_heads,
-            engine.kv_heads,
-            engine.head_dim,
-            plan.feed_width,
-            rows,
-            attention.q_len,
-            slots,
-            capacity,
-            end,
-            chunk,
-            unit,
-            threads,
-            0,
-        ],
-        dtype=torch.int64,
-    )
+    sizes = [tokens, hidden.shape[-1], engine.num_heads, engine.kv_heads, engine.head_dim]
+    sizes += [plan.feed_width, rows, attention.q_len, slots, capacity, end, chunk, unit]
+    dims = torch.tensor([*sizes, threads, dtype, 0], dtype=torch.int64)
     dims[-1] = library.knapspec_layer_loop_scratch(dims.data_ptr())
-    scratch = torch.empty(int(dims[-1]), dtype=torch.bfloat16)
+    scratch = torch.empty(int(dims[-1]), dtype=hidden.dtype)
+    activate = _activation(scratch, plan.feed_width) if plan.silu is None else None
+    products = _products(scratch, plan) if plan.called_back else None
     out = hidden.clone(memory_format=torch.contiguous_format)
     kv_table = torch.tensor(kv, dtype=torch.int64)
     token_row, token_step = packing if packing is not None else (None, None)
@@ -335,7 +396,9 @@ def run_layers(
         prefix,
         visible,
         scale,
-        plan.silu.data_ptr(),
+        None if plan.silu is None else plan.silu.data_ptr(),
+        None if activate is None else ctypes.cast(activate, ctypes.c_void_p),
+        None if products is None else ctypes.cast(products, ctypes.c_void_p),
         scratch.data_ptr(),
     )
     if status:
