@@ -25,9 +25,8 @@ from knapspec.model.batched import forward_batch, new_batch_cache
 from knapspec.model.engine import SublayerEngine
 from knapspec.model.kernels import FUSION_GROUPS
 from knapspec.types import SublayerMask
+from pass_pairs import VOCAB, assert_bitwise, batched_both_ways
 from tiny_models import tiny_model
-
-VOCAB = 97
 
 
 def _engine(family: str = "llama", dtype: torch.dtype = torch.float32) -> SublayerEngine:
@@ -109,41 +108,6 @@ def _every_layer(engine: SublayerEngine) -> list[str]:
     return [f"attention {layer}" for layer in range(engine.num_layers)]
 
 
-def _both_ways(
-    engine: SublayerEngine,
-    contexts: list[int],
-    inputs: torch.Tensor,
-    widths: list[int] | None,
-    mask: SublayerMask | None = None,
-    seed: int = 0,
-) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
-    """Logits and every layer's K/V buffers of one batched pass, lean then general, from
-    caches holding the same prompts."""
-    rows = len(contexts)
-    logits, buffers = [], []
-    for lean in (True, False):
-        cache = new_batch_cache(engine, rows, 48)
-        for row, context in enumerate(contexts):
-            single = engine.new_cache(48)
-            generator = torch.Generator().manual_seed(seed + row)
-            prompt = torch.randint(0, VOCAB, (context,), generator=generator)
-            engine.forward(prompt, 0, single, all_logits=False)
-            cache.load_row(row, single, context)
-        engine.lean_passes = lean
-        try:
-            logits.append(forward_batch(engine, inputs, contexts, cache, widths=widths, mask=mask))
-        finally:
-            engine.lean_passes = True
-        buffers.append([b for layer in range(engine.num_layers) for b in cache.buffers(layer)])
-    return logits, buffers
-
-
-def _assert_bitwise(logits: list[torch.Tensor], buffers: list[list[torch.Tensor]]) -> None:
-    assert torch.equal(logits[0], logits[1])
-    for lean, general in zip(*buffers, strict=True):
-        assert torch.equal(lean, general)
-
-
 @settings(max_examples=30, deadline=None)
 @given(
     widths=st.lists(st.integers(1, 5), min_size=1, max_size=4),
@@ -166,8 +130,10 @@ def test_a_lean_pass_writes_and_returns_bitwise_the_general_paths(
         widths = [max(widths)] * len(widths)
     inputs = torch.randint(0, VOCAB, (len(widths), max(widths)), generator=generator)
     with counting(_batched) as ran:
-        logits, buffers = _both_ways(engine, contexts, inputs, widths if ragged else None)
-    _assert_bitwise(logits, buffers)
+        logits, buffers = batched_both_ways(
+            engine, "lean_passes", contexts, inputs, widths if ragged else None
+        )
+    assert_bitwise(logits, buffers)
     assert _attention(ran) == _every_layer(engine)
 
 
@@ -178,8 +144,8 @@ def test_a_layer_skipping_mask_runs_only_its_items_alike() -> None:
     mask = SublayerMask(tuple(executed))
     inputs = torch.tensor([[5, 6], [7, 8]])
     with counting(_batched) as ran:
-        logits, buffers = _both_ways(engine, [4, 9], inputs, None, mask=mask)
-    _assert_bitwise(logits, buffers)
+        logits, buffers = batched_both_ways(engine, "lean_passes", [4, 9], inputs, None, mask=mask)
+    assert_bitwise(logits, buffers)
     assert ran == ["attention 0", "mlp 1", "attention 2", "mlp 2"]
 
 
@@ -195,8 +161,10 @@ def test_a_layer_whose_weights_were_replaced_takes_the_general_path() -> None:
     mlp = engine.layers[2].mlp
     mlp.up_proj.weight = torch.nn.Parameter(mlp.up_proj.weight.detach().clone())
     with counting(_batched) as ran:
-        logits, buffers = _both_ways(engine, [3, 6, 2], torch.tensor([[1], [2], [3]]), None)
-    _assert_bitwise(logits, buffers)
+        logits, buffers = batched_both_ways(
+            engine, "lean_passes", [3, 6, 2], torch.tensor([[1], [2], [3]]), None
+        )
+    assert_bitwise(logits, buffers)
     assert ran == ["attention 0", "mlp 0", "mlp 1", "attention 2"]
 
 
@@ -207,8 +175,10 @@ def test_q_k_norms_and_inexact_engines_keep_the_general_path() -> None:
     engine = _cached_engine("qwen3", torch.float32)
     assert engine.has_qk_norm
     with counting() as ran:
-        logits, buffers = _both_ways(engine, [3, 5], torch.tensor([[1, 2], [3, 4]]), [2, 1])
-        _assert_bitwise(logits, buffers)
+        logits, buffers = batched_both_ways(
+            engine, "lean_passes", [3, 5], torch.tensor([[1, 2], [3, 4]]), [2, 1]
+        )
+        assert_bitwise(logits, buffers)
         inexact = SublayerEngine(tiny_model("llama", 3), progress=False, exact=False)
         cache = new_batch_cache(inexact, 1, 8)
         forward_batch(inexact, torch.tensor([[1, 2]]), [0], cache)
@@ -308,8 +278,10 @@ def test_other_families_take_the_lean_pass_bitwise(family: str) -> None:
     pass at every layer."""
     engine = _cached_engine(family, torch.bfloat16)
     with counting(_batched) as ran:
-        logits, buffers = _both_ways(engine, [2, 7, 4], torch.tensor([[1, 2, 3]] * 3), [3, 1, 2])
-    _assert_bitwise(logits, buffers)
+        logits, buffers = batched_both_ways(
+            engine, "lean_passes", [2, 7, 4], torch.tensor([[1, 2, 3]] * 3), [3, 1, 2]
+        )
+    assert_bitwise(logits, buffers)
     assert _attention(ran) == _every_layer(engine)
     outputs = []
     with counting() as ran:

@@ -25,7 +25,6 @@ from hypothesis import strategies as st
 
 from knapspec import testing
 from knapspec.model import layer_loop, row_linear
-from knapspec.model.batched import forward_batch, new_batch_cache
 from knapspec.model.engine import SublayerEngine
 from knapspec.model.kernels import (
     AMX_KERNEL,
@@ -36,8 +35,7 @@ from knapspec.model.kernels import (
     KernelTable,
 )
 from knapspec.types import SublayerMask
-
-VOCAB = 97
+from pass_pairs import VOCAB, assert_bitwise, batched_both_ways
 
 
 def _packed_kernel() -> str | None:
@@ -111,39 +109,6 @@ def looped() -> Iterator[list[int]]:
         layer_loop.run_layers = original  # type: ignore[assignment]
 
 
-def _batched_both_ways(
-    engine: SublayerEngine,
-    contexts: list[int],
-    inputs: torch.Tensor,
-    widths: list[int] | None,
-    mask: SublayerMask | None = None,
-) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
-    """Logits and every layer's K/V buffers of one batched pass, loop then items."""
-    logits, buffers = [], []
-    for on in (True, False):
-        cache = new_batch_cache(engine, len(contexts), 48)
-        for row, context in enumerate(contexts):
-            single = engine.new_cache(48)
-            prompt = torch.randint(
-                0, VOCAB, (context,), generator=torch.Generator().manual_seed(row)
-            )
-            engine.forward(prompt, 0, single, all_logits=False)
-            cache.load_row(row, single, context)
-        engine.compiled_loop = on
-        try:
-            logits.append(forward_batch(engine, inputs, contexts, cache, widths=widths, mask=mask))
-        finally:
-            engine.compiled_loop = True
-        buffers.append([b for layer in range(engine.num_layers) for b in cache.buffers(layer)])
-    return logits, buffers
-
-
-def _assert_bitwise(logits: list[torch.Tensor], buffers: list[list[torch.Tensor]]) -> None:
-    assert torch.equal(logits[0], logits[1])
-    for on, off in zip(*buffers, strict=True):
-        assert torch.equal(on, off)
-
-
 def test_the_silu_table_holds_pytorchs_vector_path_and_refuses_other_layouts() -> None:
     """The table is ``F.silu`` of every bfloat16 pattern as the layer computes it (rows of
     gates read from a fused output); a width PyTorch finishes on its scalar path, which
@@ -180,8 +145,10 @@ def test_a_batched_pass_through_the_loop_is_bitwise_its_items(
         widths = [max(widths)] * len(widths)
     inputs = torch.randint(0, VOCAB, (len(widths), max(widths)), generator=generator)
     with looped() as ran:
-        logits, buffers = _batched_both_ways(engine, contexts, inputs, widths if ragged else None)
-    _assert_bitwise(logits, buffers)
+        logits, buffers = batched_both_ways(
+            engine, "compiled_loop", contexts, inputs, widths if ragged else None
+        )
+    assert_bitwise(logits, buffers)
     assert sum(widths) in ran
 
 
@@ -262,10 +229,10 @@ def test_other_families_through_the_loop_are_bitwise_their_items(
     and a sequence's verification, through the loop, bitwise the items."""
     engine = _engine(family, dtype)
     with looped() as ran:
-        logits, buffers = _batched_both_ways(
-            engine, [2, 7, 4], torch.tensor([[1, 2, 3]] * 3), [3, 1, 2]
+        logits, buffers = batched_both_ways(
+            engine, "compiled_loop", [2, 7, 4], torch.tensor([[1, 2, 3]] * 3), [3, 1, 2]
         )
-    _assert_bitwise(logits, buffers)
+    assert_bitwise(logits, buffers)
     assert ran == [6]
     outputs = []
     with looped() as ran:
@@ -287,8 +254,8 @@ def test_a_mask_and_captured_points_keep_the_items() -> None:
     with looped() as ran:
         mask = SublayerMask((True, False, False, True, True, True))
         inputs = torch.tensor([[5, 6], [7, 8]])
-        logits, buffers = _batched_both_ways(engine, [4, 9], inputs, None, mask)
-        _assert_bitwise(logits, buffers)
+        logits, buffers = batched_both_ways(engine, "compiled_loop", [4, 9], inputs, None, mask)
+        assert_bitwise(logits, buffers)
         cache = engine.new_cache(16)
         engine.forward(torch.tensor([1, 2, 3]), 0, cache, all_logits=False)
         captured = engine.forward(torch.tensor([4]), 3, cache, capture_points=True)
@@ -317,8 +284,10 @@ def test_kernels_c_cannot_call_run_through_the_callback_bitwise(
         table = attrs.evolve(table, choices=choices)
     engine.use_kernels(table)
     with looped() as ran:
-        logits, buffers = _batched_both_ways(engine, [3, 8], torch.tensor([[1, 2], [3, 4]]), [2, 1])
-    _assert_bitwise(logits, buffers)
+        logits, buffers = batched_both_ways(
+            engine, "compiled_loop", [3, 8], torch.tensor([[1, 2], [3, 4]]), [2, 1]
+        )
+    assert_bitwise(logits, buffers)
     assert ran == [3]
 
 
@@ -333,8 +302,10 @@ def test_bf16_without_the_table_runs_silu_through_the_callback_bitwise(
     engine = SublayerEngine(model, progress=False)
     engine.use_kernels(_engine().kernels)
     with looped() as ran:
-        logits, buffers = _batched_both_ways(engine, [3, 8], torch.tensor([[1, 2], [3, 4]]), [2, 1])
-    _assert_bitwise(logits, buffers)
+        logits, buffers = batched_both_ways(
+            engine, "compiled_loop", [3, 8], torch.tensor([[1, 2], [3, 4]]), [2, 1]
+        )
+    assert_bitwise(logits, buffers)
     assert ran == [3]
 
 

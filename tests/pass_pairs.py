@@ -1,0 +1,51 @@
+"""One batched pass run twice, an engine switch on then off, for bitwise comparisons
+(``test_exact_pass.py``: the lean pass against the general path; ``test_layer_loop.py``:
+the compiled layer loop against the lean items)."""
+
+from __future__ import annotations
+
+import torch
+
+from knapspec.model.batched import forward_batch, new_batch_cache
+from knapspec.model.engine import SublayerEngine
+from knapspec.types import SublayerMask
+
+VOCAB = 97
+
+
+def batched_both_ways(
+    engine: SublayerEngine,
+    switch: str,
+    contexts: list[int],
+    inputs: torch.Tensor,
+    widths: list[int] | None,
+    mask: SublayerMask | None = None,
+    seed: int = 0,
+) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """Logits and every layer's K/V buffers of one batched pass of ``inputs (rows, q)``
+    (row ``r`` after a prompt of ``contexts[r]`` tokens, prefilled alone and loaded into
+    the batch cache), with the engine's boolean attribute ``switch`` True, then False (it
+    is True again afterwards)."""
+    logits, buffers = [], []
+    for on in (True, False):
+        cache = new_batch_cache(engine, len(contexts), 48)
+        for row, context in enumerate(contexts):
+            single = engine.new_cache(48)
+            generator = torch.Generator().manual_seed(seed + row)
+            prompt = torch.randint(0, VOCAB, (context,), generator=generator)
+            engine.forward(prompt, 0, single, all_logits=False)
+            cache.load_row(row, single, context)
+        setattr(engine, switch, on)
+        try:
+            logits.append(forward_batch(engine, inputs, contexts, cache, widths=widths, mask=mask))
+        finally:
+            setattr(engine, switch, True)
+        buffers.append([b for layer in range(engine.num_layers) for b in cache.buffers(layer)])
+    return logits, buffers
+
+
+def assert_bitwise(logits: list[torch.Tensor], buffers: list[list[torch.Tensor]]) -> None:
+    """Both runs' logits and K/V buffers are equal bit for bit."""
+    assert torch.equal(logits[0], logits[1])
+    for on, off in zip(*buffers, strict=True):
+        assert torch.equal(on, off)
