@@ -14,13 +14,15 @@ first turns on the real SmolLM2, both settings on one engine, interleaved in blo
 off, on, off, ...), and reports the median round per setting and rows; then one
 sequence's steps through
 ``SublayerEngine.forward`` (``--sequence-widths``: a decode step, a 5-token verification),
-the same way.
+the same way; then one-token layer-skipping draft steps under seeded random sublayer masks
+(``--draft-keeps``: about half and three quarters of the items).
 
 Writes ``results/engine/<compare>-<cpu>.jsonl``: one line per rows and setting (median,
 p10, p90 round in ms over every timed round of its blocks) and a summary line per rows.
 
     python benchmarks/layer_ops.py [--compare layer-ops|lean-pass|layer-loop] [--rows 1 4 16]
-        [--sequence-widths 1 5] [--blocks 4] [--rounds 30] [--dtype bfloat16]
+        [--sequence-widths 1 5] [--draft-keeps 0.5 0.75] [--blocks 4] [--rounds 30]
+        [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import random
 import re
 import statistics
 from collections.abc import Callable
@@ -51,6 +54,7 @@ from knapspec.model.engine import SublayerEngine
 from knapspec.model.machine import host_cpu_model
 from knapspec.model.provision import load_model_and_tokenizer
 from knapspec.planners import AutoregressivePlanner
+from knapspec.types import SublayerMask
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -69,10 +73,18 @@ def _set(engine: SublayerEngine, compare: str, on: bool, built: tuple[bool, bool
 
 
 def _sequence_steps(
-    engine: SublayerEngine, cache: KVCache, context: int, width: int, steps: int
+    engine: SublayerEngine,
+    cache: KVCache,
+    context: int,
+    width: int,
+    steps: int,
+    mask: SublayerMask | None = None,
 ) -> list[float]:
-    """Seconds of ``steps`` engine steps of ``width`` tokens after ``context`` cached ones."""
-    return [engine_step_seconds(engine, cache, context, width, repeats=1) for _ in range(steps)]
+    """Seconds of ``steps`` engine steps of ``width`` tokens after ``context`` cached ones
+    (under ``mask``: a layer-skipping draft step)."""
+    return [
+        engine_step_seconds(engine, cache, context, width, mask, repeats=1) for _ in range(steps)
+    ]
 
 
 def main() -> None:
@@ -91,6 +103,14 @@ def main() -> None:
         nargs="*",
         default=[1, 5],
         help="also time one sequence's steps of these many tokens (none: batched rounds only)",
+    )
+    parser.add_argument(
+        "--draft-keeps",
+        type=float,
+        nargs="*",
+        default=[0.5, 0.75],
+        help="also time one-token draft steps under seeded random sublayer masks keeping "
+        "about these fractions of the items",
     )
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
@@ -157,6 +177,17 @@ def main() -> None:
         compare(
             {"kind": "sequence-step", "tokens": width, "context": prompt.numel()},
             functools.partial(_sequence_steps, engine, cache, prompt.numel(), width, args.rounds),
+        )
+    draws = random.Random(0)
+    for keep in args.draft_keeps:
+        # A layer-skipping draft step (SublayerEngine.forward under a mask), one token.
+        flags = tuple(draws.random() < keep for _ in range(engine.num_items))
+        cache = filled_cache(engine, prompt, 9)
+        compare(
+            {"kind": "draft-step", "keep": keep, "items": sum(flags), "context": prompt.numel()},
+            functools.partial(
+                _sequence_steps, engine, cache, prompt.numel(), 1, args.rounds, SublayerMask(flags)
+            ),
         )
     for line in lines:
         append_jsonl(output, json.dumps(line))

@@ -6,9 +6,9 @@ the steps between them (residual adds, SiLU times up) as PyTorch does them in bf
 every logit and every K/V entry must be bitwise the items': batched passes with equal or
 ragged widths, a sequence's decode and verification steps, token trees, bfloat16 (packed
 products, SiLU from the table or the callback) and float32 (``row-linear``, SiLU through
-the callback), Llama, Qwen2 (biases) and Mistral; and where it does not serve (a kernel it
-cannot call, a layer-skipping mask, captured hidden states) it must step aside, and where
-weights changed after it planned, plan again.
+the callback), layer-skipping masks, kernels C cannot call (through the product callback),
+Llama, Qwen2 (biases) and Mistral; a step that captures hidden states must keep the items,
+and where weights changed after it planned, it must plan again.
 """
 
 from __future__ import annotations
@@ -246,20 +246,54 @@ def test_other_families_through_the_loop_are_bitwise_their_items(
     assert ran == [2]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=10, deadline=None)
+@given(executed=st.lists(st.booleans(), min_size=6, max_size=6), seed=st.integers(0, 99))
+def test_a_layer_skipping_mask_runs_through_the_loop_bitwise(
+    dtype: torch.dtype, executed: list[bool], seed: int
+) -> None:
+    """A draft pass under a sublayer mask (any of the 64 masks of three layers): a batched
+    pass and a sequence's step through the loop are bitwise the items, a skipped attention
+    item writes no K/V and leaves its layer's length where it was."""
+    engine = _engine("llama", dtype)
+    mask = SublayerMask(tuple(executed))
+    inputs = torch.tensor([[5, 6], [7, 8]])
+    with looped() as ran:
+        logits, buffers = batched_both_ways(
+            engine, "compiled_loop", [4, 9], inputs, [2, 1], mask, seed
+        )
+    assert_bitwise(logits, buffers)
+    assert ran == [3]
+    outputs, caches = [], []
+    with looped() as ran:
+        try:
+            for on in (True, False):
+                engine.compiled_loop = on
+                cache = engine.new_cache(16)
+                engine.forward(torch.tensor([1, 2, 3]), 0, cache, all_logits=False)
+                outputs.append(engine.forward(torch.tensor([4, 5]), 3, cache, mask).logits)
+                caches.append(cache)
+        finally:
+            engine.compiled_loop = True
+    assert torch.equal(outputs[0], outputs[1])
+    expected = [5 if executed[2 * layer] else 3 for layer in range(engine.num_layers)]
+    assert caches[0].lengths == caches[1].lengths == expected
+    for layer in range(engine.num_layers):
+        assert torch.equal(caches[0].keys(layer), caches[1].keys(layer))
+    assert ran == [2]
+
+
 @needs_packed
-def test_a_mask_and_captured_points_keep_the_items() -> None:
-    """A layer-skipping draft pass and a step that captures the residual stream at every
-    point do not take the loop (their passes run the items)."""
+def test_a_step_that_captures_hidden_states_keeps_the_items() -> None:
+    """A step that captures the residual stream at every point (the value proxies read
+    them) does not take the loop: its items run and the points are there."""
     engine = _engine()
     with looped() as ran:
-        mask = SublayerMask((True, False, False, True, True, True))
-        inputs = torch.tensor([[5, 6], [7, 8]])
-        logits, buffers = batched_both_ways(engine, "compiled_loop", [4, 9], inputs, None, mask)
-        assert_bitwise(logits, buffers)
         cache = engine.new_cache(16)
         engine.forward(torch.tensor([1, 2, 3]), 0, cache, all_logits=False)
         captured = engine.forward(torch.tensor([4]), 3, cache, capture_points=True)
-        assert captured.points is not None
+    assert captured.points is not None
+    assert captured.points.shape[0] == 2 * engine.num_layers + 1
     assert ran == []
 
 

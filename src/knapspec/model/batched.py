@@ -393,11 +393,11 @@ def forward_batch(
     if exact:
         lengths = query_lengths(starts, row_widths_all, max(row_widths_all))
         packed = packing is not None
-        # Same kernels as below, per-pass work done once; all sublayers: in one C call.
+        # Same kernels as below, per-pass work done once; the layer loop in one C call.
         lean = ExactLayerPass.prepare(
             engine, cache, cache.compiled_writes, cos, sin, index, lengths, packing
         )
-    looped = lean.run_layers(hidden) if lean is not None and all(executed) else None
+    looped = lean.run_layers(hidden, executed) if lean is not None else None
     for layer_index, layer in enumerate(engine.layers if looped is None else ()):
         attend = executed[2 * layer_index]
         stepped = lean.attention_item(layer_index, hidden) if lean and attend else None

@@ -850,8 +850,8 @@ class SublayerEngine:
         self._cold_prefill = start == 0 and not self.chunk_invariant
         lean = self._lean_pass(start, q_len, cos, sin, cache)
         looped = None
-        if lean is not None and not capture_points and all(executed):
-            looped = self._run_loop(lean, hidden, start, cache)
+        if lean is not None and not capture_points:
+            looped = self._run_loop(lean, hidden, start, cache, executed)
         try:
             for layer_index in range(self.num_layers if looped is None else 0):
                 if executed[2 * layer_index]:
@@ -874,17 +874,26 @@ class SublayerEngine:
         return ForwardOutput(logits=logits, hidden=final, points=stacked)
 
     def _run_loop(
-        self, lean: ExactLayerPass, hidden: torch.Tensor, start: int, cache: KVCache
+        self,
+        lean: ExactLayerPass,
+        hidden: torch.Tensor,
+        start: int,
+        cache: KVCache,
+        executed: Sequence[bool] | None = None,
     ) -> torch.Tensor | None:
-        """``lean``'s whole layer loop in one compiled call (:meth:`ExactLayerPass.run_layers`)
-        over a single-sequence ``cache`` holding ``start`` tokens in every layer: the last
-        layer's residual stream ``(1, q, d)``, every layer's length set; None where it does
-        not serve."""
-        for layer_index in range(self.num_layers):
+        """``lean``'s layer loop in one compiled call (:meth:`ExactLayerPass.run_layers`;
+        ``executed``: a mask's flags, None for every item) over a single-sequence ``cache``
+        holding ``start`` tokens in every executed attention layer: the last layer's
+        residual stream ``(1, q, d)``, those layers' lengths set; None where it does not
+        serve."""
+        attends = [
+            layer for layer in range(self.num_layers) if executed is None or executed[2 * layer]
+        ]
+        for layer_index in attends:
             cache.check_gap(layer_index, start)
-        looped = lean.run_layers(hidden)
+        looped = lean.run_layers(hidden, executed)
         if looped is not None:
-            for layer_index in range(self.num_layers):  # as KVCache.write sets them
+            for layer_index in attends:  # as KVCache.write sets them
                 cache.lengths[layer_index] = start + hidden.shape[1]
         return looped
 

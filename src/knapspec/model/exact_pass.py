@@ -228,11 +228,14 @@ class ExactLayerPass:
             by_query = by_query[self._packing]  # (T, H, hd)
         return by_query.reshape(self.tokens, heads * head_dim)
 
-    def run_layers(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The residual stream after every layer's attention and MLP items, all in one
-        compiled call (:mod:`knapspec.model.layer_loop`, bitwise these items one by one),
-        every layer's K/V written; or None, nothing written, where that call does not serve
-        this pass (the caller then runs the items)."""
+    def run_layers(
+        self, hidden: torch.Tensor, executed: Sequence[bool] | None = None
+    ) -> torch.Tensor | None:
+        """The residual stream after every layer's attention and MLP items (those
+        ``executed`` flags, attention then MLP per layer, where given), all in one compiled
+        call (:mod:`knapspec.model.layer_loop`, bitwise these items one by one), the executed
+        attention items' K/V written; or None, nothing written, where that call does not
+        serve this pass (the caller then runs the items)."""
         return layer_loop.run_layers(
             self.engine,
             self.cache.buffers,
@@ -245,6 +248,7 @@ class ExactLayerPass:
             self._attention,
             self.rows,
             self.end,
+            executed,
         )
 
     def attention_item(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -16,18 +16,18 @@ otherwise) or, in float32 or where the table does not hold, through a callback t
 PyTorch's own SiLU and product on the loop's buffers. Every output and K/V entry is bitwise
 the Python loop's (the tests compare them).
 
-It serves passes that run every sublayer, with every layer's fused q/k/v and gate/up
-products and its output and down products on compiled kernels (``packed-linear``,
-``amx-tiles`` or ``row-linear``); anything else (another kernel, weights replaced since the
-fusion, a skipped sublayer, captured hidden states) returns None and the caller runs the
-Python loop.
+It serves full passes and layer-skipping draft passes (a sublayer mask: the skipped items
+neither run nor write K/V) whose layers run fused q/k/v and gate/up products; a product on
+a kernel C cannot call runs through a callback. Where it does not fit (weights replaced
+since the fusion, another MLP) it returns None and the caller runs the Python loop; a pass
+that captures hidden states never asks.
 """
 
 from __future__ import annotations
 
 import ctypes
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -57,7 +57,7 @@ def _declare(library: ctypes.CDLL) -> None:
     ptr = ctypes.c_void_p
     loop = library.knapspec_layer_loop
     loop.restype = ctypes.c_int
-    loop.argtypes = [ptr, ctypes.c_int64, *(ptr,) * 14, ctypes.c_float, *(ptr,) * 4]
+    loop.argtypes = [ptr, ctypes.c_int64, *(ptr,) * 14, ctypes.c_float, *(ptr,) * 5]
     library.knapspec_layer_loop_scratch.restype = ctypes.c_int64
     library.knapspec_layer_loop_scratch.argtypes = [ptr]
     library.knapspec_layer_loop_slots.restype = ctypes.c_int
@@ -334,10 +334,11 @@ def run_layers(
     attention: row_attention.BatchedAttention,
     rows: int,
     end: int,
+    executed: Sequence[bool] | None = None,
 ) -> torch.Tensor | None:
     """Every layer of an exact pass in one compiled call: the residual stream after the last
-    layer, shaped like ``hidden``, with every layer's K/V written; or None, nothing touched,
-    where the pass does not fit (module docstring).
+    layer, shaped like ``hidden``, with the K/V of every executed attention item written; or
+    None, nothing touched, where the pass does not fit (module docstring).
 
     Args:
         buffers: layer -> its key and value buffers ``(slots, kvH, capacity, hd)``.
@@ -347,6 +348,8 @@ def run_layers(
             contiguous, each token's cache slot and position.
         packing: each packed token's row and step ``(T,)`` int64 each, or None.
         attention: the pass's prepared attention call; rows: its rows; end: its key count.
+        executed: ``2 * layers`` flags, attention then MLP per layer (a mask's
+            ``executed``), or None for every item.
     """
     global _function_table
     library = LIBRARY.load()
@@ -377,6 +380,7 @@ def run_layers(
     out = hidden.clone(memory_format=torch.contiguous_format)
     kv_table = torch.tensor(kv, dtype=torch.int64)
     token_row, token_step = packing if packing is not None else (None, None)
+    flags = None if executed is None else (ctypes.c_uint8 * len(executed))(*executed)
     lengths, prefix, visible = attention.row_pointers()
     status = library.knapspec_layer_loop(
         out.data_ptr(),
@@ -399,6 +403,7 @@ def run_layers(
         None if plan.silu is None else plan.silu.data_ptr(),
         None if activate is None else ctypes.cast(activate, ctypes.c_void_p),
         None if products is None else ctypes.cast(products, ctypes.c_void_p),
+        flags,
         scratch.data_ptr(),
     )
     if status:

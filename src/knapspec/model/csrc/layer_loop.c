@@ -104,7 +104,9 @@ static int product(void *const *p, int slot, const void *x, void *out, int64_t n
  * step of the padded (rows, q) layout, or NULL when tokens = rows * q in order; lengths
  * (rows * heads * q) or tree_prefix/tree_visible (q): the attention's rows, as its kernel
  * takes them. silu: 65,536 bf16, silu[x] for each bit pattern x (bfloat16), or NULL and
- * activate (any dtype); product_callback: runs the CALLBACK products (NULL if none).
+ * activate (any dtype); product_callback: runs the CALLBACK products (NULL if none);
+ * executed: per layer, whether its attention and its MLP item run (2 bytes a layer; NULL:
+ * every item, a full pass).
  * Returns 0, or the failing step * 1000 + its kernel's status. */
 int knapspec_layer_loop(void *hidden, int64_t layers, void *const *pointers, const float *eps,
                         void *const *kv, void *const *functions, const int64_t *dims,
@@ -113,7 +115,7 @@ int knapspec_layer_loop(void *hidden, int64_t layers, void *const *pointers, con
                         const int64_t *token_step, const int64_t *lengths,
                         const int64_t *tree_prefix, const uint64_t *tree_visible, float scale,
                         const uint16_t *silu, void *activate, void *product_callback,
-                        void *scratch) {
+                        const uint8_t *executed, void *scratch) {
     const int64_t n = dims[D_TOKENS], d = dims[D_MODEL], heads = dims[D_HEADS];
     const int64_t kv_heads = dims[D_KV_HEADS], hd = dims[D_HEAD_DIM], ff = dims[D_FF];
     const int64_t rows = dims[D_ROWS], q = dims[D_Q];
@@ -136,64 +138,70 @@ int knapspec_layer_loop(void *hidden, int64_t layers, void *const *pointers, con
     int status;
     for (int64_t l = 0; l < layers; l++) {
         void *const *p = pointers + l * LAYER_SLOTS;
-        /* Attention item. */
-        if ((status = norm(hidden, p[NORM_IN], normed, n, d, d, eps[2 * l], dtype, threads)))
-            return STEP_NORM_IN * 1000 + status;
-        if ((status = product(p, QKV_W, normed, qkv, n, d, qkv_width, dtype, threads, l,
-                              product_callback)))
-            return STEP_QKV * 1000 + status;
-        char *key = qkv + width * es, *value = key + kv_heads * hd * es;
-        if ((status = rotary(qkv, cos, sin, n, heads, hd, qkv_width, dtype)) ||
-            (status = rotary(key, cos, sin, n, kv_heads, hd, qkv_width, dtype)))
-            return STEP_ROTARY * 1000 + status;
-        if ((status = scatter(key, kv[2 * l], write_rows, write_positions, n, kv_heads, hd,
-                              qkv_width, dims[D_SLOTS], dims[D_CAPACITY], (int64_t)es)) ||
-            (status = scatter(value, kv[2 * l + 1], write_rows, write_positions, n, kv_heads, hd,
-                              qkv_width, dims[D_SLOTS], dims[D_CAPACITY], (int64_t)es)))
-            return STEP_SCATTER * 1000 + status;
-        /* Queries folded to (rows, heads, q, hd); a padding query is zeros (it sees one key). */
-        if (token_row) memset(folded, 0, (size_t)folded_size * es);
-        for (int64_t t = 0; t < n; t++) {
-            int64_t r = token_row ? token_row[t] : t / q, s = token_row ? token_step[t] : t % q;
-            for (int64_t h = 0; h < heads; h++)
-                memcpy(folded + ((r * heads + h) * q + s) * hd * es,
-                       qkv + (t * qkv_width + h * hd) * es, (size_t)hd * es);
-        }
-        if ((status = attend(folded, kv[2 * l], kv[2 * l + 1], attended_rows, lengths, tree_prefix,
-                             tree_visible, q, dtype, rows * kv_heads, heads / kv_heads * q, hd,
-                             dims[D_CAPACITY] * hd, hd, dims[D_END], dims[D_CHUNK], scale, threads,
-                             (int)dims[D_UNIT])))
-            return STEP_ATTEND * 1000 + status;
-        for (int64_t t = 0; t < n; t++) {
-            int64_t r = token_row ? token_row[t] : t / q, s = token_row ? token_step[t] : t % q;
-            for (int64_t h = 0; h < heads; h++)
-                memcpy(attended + (t * width + h * hd) * es,
-                       attended_rows + ((r * heads + h) * q + s) * hd * es, (size_t)hd * es);
-        }
-        if ((status = product(p, O_W, attended, projected, n, width, d, dtype, threads, l,
-                              product_callback)))
-            return STEP_O * 1000 + status;
-        add_into(hidden, projected, n * d, dtype);
-        /* MLP item: down(silu(gate) * up). */
-        if ((status = norm(hidden, p[NORM_POST], normed, n, d, d, eps[2 * l + 1], dtype, threads)))
-            return STEP_NORM_POST * 1000 + status;
-        if ((status = product(p, GATE_UP_W, normed, gate_up, n, d, 2 * ff, dtype, threads, l,
-                              product_callback)))
-            return STEP_GATE_UP * 1000 + status;
-        if (silu && dtype == DTYPE_BF16) {
+        /* Attention item (skipped where the mask skips it: no K/V written). */
+        if (!executed || executed[2 * l]) {
+            if ((status = norm(hidden, p[NORM_IN], normed, n, d, d, eps[2 * l], dtype, threads)))
+                return STEP_NORM_IN * 1000 + status;
+            if ((status = product(p, QKV_W, normed, qkv, n, d, qkv_width, dtype, threads, l,
+                                  product_callback)))
+                return STEP_QKV * 1000 + status;
+            char *key = qkv + width * es, *value = key + kv_heads * hd * es;
+            if ((status = rotary(qkv, cos, sin, n, heads, hd, qkv_width, dtype)) ||
+                (status = rotary(key, cos, sin, n, kv_heads, hd, qkv_width, dtype)))
+                return STEP_ROTARY * 1000 + status;
+            if ((status = scatter(key, kv[2 * l], write_rows, write_positions, n, kv_heads, hd,
+                                  qkv_width, dims[D_SLOTS], dims[D_CAPACITY], (int64_t)es)) ||
+                (status = scatter(value, kv[2 * l + 1], write_rows, write_positions, n, kv_heads,
+                                  hd, qkv_width, dims[D_SLOTS], dims[D_CAPACITY], (int64_t)es)))
+                return STEP_SCATTER * 1000 + status;
+            /* Queries folded to (rows, heads, q, hd); a padding query is zeros (it sees one
+             * key). */
+            if (token_row) memset(folded, 0, (size_t)folded_size * es);
             for (int64_t t = 0; t < n; t++) {
-                const uint16_t *gate = (const uint16_t *)gate_up + t * 2 * ff, *up = gate + ff;
-                uint16_t *out = (uint16_t *)gated + t * ff;
-                for (int64_t i = 0; i < ff; i++)
-                    out[i] = f32_to_bf16(bf16_to_f32(silu[gate[i]]) * bf16_to_f32(up[i]));
+                int64_t r = token_row ? token_row[t] : t / q, s = token_row ? token_step[t] : t % q;
+                for (int64_t h = 0; h < heads; h++)
+                    memcpy(folded + ((r * heads + h) * q + s) * hd * es,
+                           qkv + (t * qkv_width + h * hd) * es, (size_t)hd * es);
             }
-        } else if ((status = ((activate_fn)activate)(gate_up, gated, n))) {
-            return STEP_ACTIVATE * 1000 + status;
+            if ((status = attend(folded, kv[2 * l], kv[2 * l + 1], attended_rows, lengths,
+                                 tree_prefix, tree_visible, q, dtype, rows * kv_heads,
+                                 heads / kv_heads * q, hd, dims[D_CAPACITY] * hd, hd, dims[D_END],
+                                 dims[D_CHUNK], scale, threads, (int)dims[D_UNIT])))
+                return STEP_ATTEND * 1000 + status;
+            for (int64_t t = 0; t < n; t++) {
+                int64_t r = token_row ? token_row[t] : t / q, s = token_row ? token_step[t] : t % q;
+                for (int64_t h = 0; h < heads; h++)
+                    memcpy(attended + (t * width + h * hd) * es,
+                           attended_rows + ((r * heads + h) * q + s) * hd * es, (size_t)hd * es);
+            }
+            if ((status = product(p, O_W, attended, projected, n, width, d, dtype, threads, l,
+                                  product_callback)))
+                return STEP_O * 1000 + status;
+            add_into(hidden, projected, n * d, dtype);
         }
-        if ((status = product(p, DOWN_W, gated, projected, n, ff, d, dtype, threads, l,
-                              product_callback)))
-            return STEP_DOWN * 1000 + status;
-        add_into(hidden, projected, n * d, dtype);
+        /* MLP item: down(silu(gate) * up). */
+        if (!executed || executed[2 * l + 1]) {
+            if ((status = norm(hidden, p[NORM_POST], normed, n, d, d, eps[2 * l + 1], dtype,
+                               threads)))
+                return STEP_NORM_POST * 1000 + status;
+            if ((status = product(p, GATE_UP_W, normed, gate_up, n, d, 2 * ff, dtype, threads, l,
+                                  product_callback)))
+                return STEP_GATE_UP * 1000 + status;
+            if (silu && dtype == DTYPE_BF16) {
+                for (int64_t t = 0; t < n; t++) {
+                    const uint16_t *gate = (const uint16_t *)gate_up + t * 2 * ff, *up = gate + ff;
+                    uint16_t *out = (uint16_t *)gated + t * ff;
+                    for (int64_t i = 0; i < ff; i++)
+                        out[i] = f32_to_bf16(bf16_to_f32(silu[gate[i]]) * bf16_to_f32(up[i]));
+                }
+            } else if ((status = ((activate_fn)activate)(gate_up, gated, n))) {
+                return STEP_ACTIVATE * 1000 + status;
+            }
+            if ((status = product(p, DOWN_W, gated, projected, n, ff, d, dtype, threads, l,
+                                  product_callback)))
+                return STEP_DOWN * 1000 + status;
+            add_into(hidden, projected, n * d, dtype);
+        }
     }
     return 0;
 }
