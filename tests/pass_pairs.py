@@ -4,10 +4,13 @@ the compiled layer loop against the lean items)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from knapspec.model.batched import forward_batch, new_batch_cache
-from knapspec.model.engine import SublayerEngine
+from knapspec.model.cache import KVCache
+from knapspec.model.engine import ForwardOutput, SublayerEngine
 from knapspec.types import SublayerMask
 
 VOCAB = 97
@@ -49,3 +52,33 @@ def assert_bitwise(logits: list[torch.Tensor], buffers: list[list[torch.Tensor]]
     assert torch.equal(logits[0], logits[1])
     for on, off in zip(*buffers, strict=True):
         assert torch.equal(on, off)
+
+
+def sequence_both_ways(
+    engine: SublayerEngine,
+    switch: str,
+    prompt: torch.Tensor,
+    step: Callable[[KVCache], ForwardOutput],
+) -> tuple[list[ForwardOutput], list[KVCache]]:
+    """``prompt`` prefilled into a fresh cache, then ``step(cache)`` (a decode step, a
+    verification, a token tree), with the engine's boolean attribute ``switch`` True, then
+    False (True again afterwards): both outputs and both caches."""
+    outputs, caches = [], []
+    try:
+        for on in (True, False):
+            setattr(engine, switch, on)
+            cache = engine.new_cache(16)  # grows during the step: a lean pass reserves
+            engine.forward(prompt, 0, cache, all_logits=False)
+            outputs.append(step(cache))
+            caches.append(cache)
+    finally:
+        setattr(engine, switch, True)
+    return outputs, caches
+
+
+def assert_caches_equal(caches: list[KVCache]) -> None:
+    """Both caches hold the same lengths and, bit for bit, the same keys and values."""
+    assert caches[0].lengths == caches[1].lengths
+    for layer in range(len(caches[0].lengths)):
+        assert torch.equal(caches[0].keys(layer), caches[1].keys(layer))
+        assert torch.equal(caches[0].values(layer), caches[1].values(layer))

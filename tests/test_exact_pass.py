@@ -25,7 +25,13 @@ from knapspec.model.batched import forward_batch, new_batch_cache
 from knapspec.model.engine import SublayerEngine
 from knapspec.model.kernels import FUSION_GROUPS
 from knapspec.types import SublayerMask
-from pass_pairs import VOCAB, assert_bitwise, batched_both_ways
+from pass_pairs import (
+    VOCAB,
+    assert_bitwise,
+    assert_caches_equal,
+    batched_both_ways,
+    sequence_both_ways,
+)
 from tiny_models import tiny_model
 
 
@@ -202,22 +208,13 @@ def test_a_sequences_decode_and_verify_steps_take_the_lean_pass_bitwise(
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, VOCAB, (context,), generator=generator)
     step = torch.randint(0, VOCAB, (width,), generator=generator)
-    outputs, caches = [], []
     with counting() as ran:
-        try:
-            for lean in (True, False):
-                engine.lean_passes = lean
-                cache = engine.new_cache(16)  # grows during the step: the lean pass reserves
-                engine.forward(prompt, 0, cache, all_logits=False)
-                outputs.append(engine.forward(step, context, cache).logits)
-                caches.append(cache)
-        finally:
-            engine.lean_passes = True
-    assert torch.equal(outputs[0], outputs[1])
-    assert caches[0].lengths == caches[1].lengths == [context + width] * engine.num_layers
-    for layer in range(engine.num_layers):
-        assert torch.equal(caches[0].keys(layer), caches[1].keys(layer))
-        assert torch.equal(caches[0].values(layer), caches[1].values(layer))
+        outputs, caches = sequence_both_ways(
+            engine, "lean_passes", prompt, lambda cache: engine.forward(step, context, cache)
+        )
+    assert torch.equal(outputs[0].logits, outputs[1].logits)
+    assert caches[0].lengths == [context + width] * engine.num_layers
+    assert_caches_equal(caches)
     # The prefill ran the general path (position 0, several tokens) unless it was one token.
     assert _attention(ran) == _every_layer(engine) * (2 if context == 1 else 1)
 
@@ -252,22 +249,15 @@ def test_a_token_tree_takes_the_lean_pass_bitwise(
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, VOCAB, (context + 1,), generator=generator)
     nodes = torch.randint(0, VOCAB, (len(tree),), generator=generator)
-    outputs, caches = [], []
-    with counting() as ran:
-        try:
-            for lean in (True, False):
-                engine.lean_passes = lean
-                cache = engine.new_cache(16)
-                engine.forward(prompt, 0, cache, all_logits=False)  # not lean: a prefill
-                outputs.append(engine.forward_tree(nodes, context + 1, tree, cache).logits)
-                caches.append(cache)
-        finally:
-            engine.lean_passes = True
-    assert torch.equal(outputs[0], outputs[1])
-    assert caches[0].lengths == caches[1].lengths
-    for layer in range(engine.num_layers):
-        assert torch.equal(caches[0].keys(layer), caches[1].keys(layer))
-        assert torch.equal(caches[0].values(layer), caches[1].values(layer))
+    with counting() as ran:  # the prefills are not lean (position 0, several tokens)
+        outputs, caches = sequence_both_ways(
+            engine,
+            "lean_passes",
+            prompt,
+            lambda cache: engine.forward_tree(nodes, context + 1, tree, cache),
+        )
+    assert torch.equal(outputs[0].logits, outputs[1].logits)
+    assert_caches_equal(caches)
     assert _attention(ran) == _every_layer(engine)
 
 
@@ -283,13 +273,12 @@ def test_other_families_take_the_lean_pass_bitwise(family: str) -> None:
         )
     assert_bitwise(logits, buffers)
     assert _attention(ran) == _every_layer(engine)
-    outputs = []
     with counting() as ran:
-        for lean in (True, False):
-            engine.lean_passes = lean
-            cache = engine.new_cache(16)
-            engine.forward(torch.tensor([4, 5, 6]), 0, cache, all_logits=False)
-            outputs.append(engine.forward(torch.tensor([7, 8]), 3, cache).logits)
-        engine.lean_passes = True
-    assert torch.equal(outputs[0], outputs[1])
+        outputs, _ = sequence_both_ways(
+            engine,
+            "lean_passes",
+            torch.tensor([4, 5, 6]),
+            lambda cache: engine.forward(torch.tensor([7, 8]), 3, cache),
+        )
+    assert torch.equal(outputs[0].logits, outputs[1].logits)
     assert _attention(ran) == _every_layer(engine)

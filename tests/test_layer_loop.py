@@ -35,7 +35,13 @@ from knapspec.model.kernels import (
     KernelTable,
 )
 from knapspec.types import SublayerMask
-from pass_pairs import VOCAB, assert_bitwise, batched_both_ways
+from pass_pairs import (
+    VOCAB,
+    assert_bitwise,
+    assert_caches_equal,
+    batched_both_ways,
+    sequence_both_ways,
+)
 
 
 def _packed_kernel() -> str | None:
@@ -164,23 +170,14 @@ def test_a_sequences_steps_through_the_loop_are_bitwise_its_items(
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, VOCAB, (context,), generator=generator)
     step = torch.randint(0, VOCAB, (width,), generator=generator)
-    outputs, caches = [], []
     with looped() as ran:
-        try:
-            for on in (True, False):
-                engine.compiled_loop = on
-                cache = engine.new_cache(16)  # grows during the step
-                engine.forward(prompt, 0, cache, all_logits=False)
-                outputs.append(engine.forward(step, context, cache))
-                caches.append(cache)
-        finally:
-            engine.compiled_loop = True
+        outputs, caches = sequence_both_ways(
+            engine, "compiled_loop", prompt, lambda cache: engine.forward(step, context, cache)
+        )
     assert torch.equal(outputs[0].logits, outputs[1].logits)
     assert torch.equal(outputs[0].hidden, outputs[1].hidden)
-    assert caches[0].lengths == caches[1].lengths == [context + width] * engine.num_layers
-    for layer in range(engine.num_layers):
-        assert torch.equal(caches[0].keys(layer), caches[1].keys(layer))
-        assert torch.equal(caches[0].values(layer), caches[1].values(layer))
+    assert caches[0].lengths == [context + width] * engine.num_layers
+    assert_caches_equal(caches)
     assert width in ran
 
 
@@ -201,22 +198,15 @@ def test_a_token_tree_through_the_loop_is_bitwise_its_items(
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, VOCAB, (context + 1,), generator=generator)
     nodes = torch.randint(0, VOCAB, (len(tree),), generator=generator)
-    outputs, caches = [], []
     with looped() as ran:
-        try:
-            for on in (True, False):
-                engine.compiled_loop = on
-                cache = engine.new_cache(16)
-                engine.forward(prompt, 0, cache, all_logits=False)
-                outputs.append(engine.forward_tree(nodes, context + 1, tree, cache).logits)
-                caches.append(cache)
-        finally:
-            engine.compiled_loop = True
-    assert torch.equal(outputs[0], outputs[1])
-    assert caches[0].lengths == caches[1].lengths
-    for layer in range(engine.num_layers):
-        assert torch.equal(caches[0].keys(layer), caches[1].keys(layer))
-        assert torch.equal(caches[0].values(layer), caches[1].values(layer))
+        outputs, caches = sequence_both_ways(
+            engine,
+            "compiled_loop",
+            prompt,
+            lambda cache: engine.forward_tree(nodes, context + 1, tree, cache),
+        )
+    assert torch.equal(outputs[0].logits, outputs[1].logits)
+    assert_caches_equal(caches)
     assert len(tree) in ran
 
 
@@ -234,15 +224,14 @@ def test_other_families_through_the_loop_are_bitwise_their_items(
         )
     assert_bitwise(logits, buffers)
     assert ran == [6]
-    outputs = []
     with looped() as ran:
-        for on in (True, False):
-            engine.compiled_loop = on
-            cache = engine.new_cache(16)
-            engine.forward(torch.tensor([4, 5, 6]), 0, cache, all_logits=False)
-            outputs.append(engine.forward(torch.tensor([7, 8]), 3, cache).logits)
-        engine.compiled_loop = True
-    assert torch.equal(outputs[0], outputs[1])
+        outputs, _ = sequence_both_ways(
+            engine,
+            "compiled_loop",
+            torch.tensor([4, 5, 6]),
+            lambda cache: engine.forward(torch.tensor([7, 8]), 3, cache),
+        )
+    assert torch.equal(outputs[0].logits, outputs[1].logits)
     assert ran == [2]
 
 
@@ -264,22 +253,17 @@ def test_a_layer_skipping_mask_runs_through_the_loop_bitwise(
         )
     assert_bitwise(logits, buffers)
     assert ran == [3]
-    outputs, caches = [], []
     with looped() as ran:
-        try:
-            for on in (True, False):
-                engine.compiled_loop = on
-                cache = engine.new_cache(16)
-                engine.forward(torch.tensor([1, 2, 3]), 0, cache, all_logits=False)
-                outputs.append(engine.forward(torch.tensor([4, 5]), 3, cache, mask).logits)
-                caches.append(cache)
-        finally:
-            engine.compiled_loop = True
-    assert torch.equal(outputs[0], outputs[1])
+        outputs, caches = sequence_both_ways(
+            engine,
+            "compiled_loop",
+            torch.tensor([1, 2, 3]),
+            lambda cache: engine.forward(torch.tensor([4, 5]), 3, cache, mask),
+        )
+    assert torch.equal(outputs[0].logits, outputs[1].logits)
     expected = [5 if executed[2 * layer] else 3 for layer in range(engine.num_layers)]
-    assert caches[0].lengths == caches[1].lengths == expected
-    for layer in range(engine.num_layers):
-        assert torch.equal(caches[0].keys(layer), caches[1].keys(layer))
+    assert caches[0].lengths == expected
+    assert_caches_equal(caches)
     assert ran == [2]
 
 
@@ -383,14 +367,10 @@ def test_weights_changed_after_planning_are_planned_again() -> None:
     step, prompt = torch.tensor([9, 10]), torch.tensor([1, 2, 3, 4])
 
     def both() -> tuple[torch.Tensor, torch.Tensor]:
-        results = []
-        for on in (True, False):
-            engine.compiled_loop = on
-            cache = engine.new_cache(16)
-            engine.forward(prompt, 0, cache, all_logits=False)
-            results.append(engine.forward(step, 4, cache).logits)
-        engine.compiled_loop = True
-        return results[0], results[1]
+        outputs, _ = sequence_both_ways(
+            engine, "compiled_loop", prompt, lambda cache: engine.forward(step, 4, cache)
+        )
+        return outputs[0].logits, outputs[1].logits
 
     with looped() as ran:
         before, _ = both()
