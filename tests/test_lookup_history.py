@@ -180,6 +180,25 @@ def test_history_off_forgets_the_last_call() -> None:
     assert on.propose(DraftRequest(4)).tokens == ()
 
 
+def test_the_rows_of_a_batch_keep_one_history_within_one_budget() -> None:
+    """A server's lanes: what one row finished drafts for another row's later request,
+    and the rows' archived sequences share ``history_tokens``."""
+    config = LookupConfig(history_tokens=12)
+    rows = [LookupDrafter(config) for _ in range(3)]
+    for row in rows:
+        row.share_rows(rows)
+    rows[0].reset([5, 6, 7, 8, 9])
+    rows[0].reset([40, 41])  # row 0's first request is archived
+    rows[2].reset([1, 5, 6])
+    assert rows[2].propose(DraftRequest(4)).tokens == (7, 8, 9)
+    rows[1].reset([20, 21, 22, 23, 24, 25, 26])
+    rows[1].reset([30])  # 5 + 7 tokens: exactly the budget
+    assert [index.tokens for index in rows[2].history] == [[5, 6, 7, 8, 9], [20, *range(21, 27)]]
+    rows[2].reset([50, 51])  # 3 more: the oldest goes
+    assert all(row.history_size <= 12 for row in rows)
+    assert [index.tokens[0] for index in rows[0].history] == [20, 1]
+
+
 def test_history_is_off_by_default() -> None:
     drafter = LookupDrafter()
     drafter.reset([5, 6, 7, 8, 9])

@@ -293,9 +293,12 @@ class LookupDrafter(Drafter):
 
     def share_rows(self, rows: Sequence[LookupDrafter]) -> None:
         """With history on, the other rows' sequences vote too (after the history's, before
-        this row's own)."""
+        this row's own), and the rows keep one history: a sequence a row finishes is there
+        for every row (a server's lanes: request ``i + 1`` often lands in another lane than
+        request ``i``), within the one budget of ``history_tokens``."""
         if self.config.history_tokens > 0:
             self.peers = [row for row in rows if row is not self]
+            self.history = rows[0].history
 
     def reset(self, tokens: list[int]) -> None:
         """Start a new sequence ``tokens``. The last one goes to the history, unless
