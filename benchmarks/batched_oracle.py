@@ -23,8 +23,8 @@ included, no prefix cache) and over its rounds alone (the decode phase), and the
 ``ar``; methods run interleaved per C, ``--repeats`` times. Where even ``lookup-oracle``
 stays under a goal, no pricing of lookup drafts reaches it on this machine.
 
-    python benchmarks/batched_oracle.py [--concurrency 1 4 16] [--requests 16] [--repeats 3]
-        [--dtype bfloat16] [--threads 2] [--cap 16] [--perfect 4 8] [--fixed 2]
+    python benchmarks/batched_oracle.py [--concurrency 1 4 16] [--requests 16] [--per-client 1]
+        [--repeats 3] [--dtype bfloat16] [--threads 2] [--cap 16] [--perfect 4 8] [--fixed 2]
 
 Writes ``results/serve/batched_oracle.jsonl`` (one line per method, C and repeat, with the
 CPU, its flags, the dtype and the commit).
@@ -237,12 +237,33 @@ def run_batch(
     }
 
 
+def pass_questions(questions: list[str], base: int, total: int) -> list[str]:
+    """The ``base`` questions benchmarks/serve_load.py asks (spread over the file's
+    categories), then others spread likewise, up to ``total``."""
+
+    def spread(pool: list[str], count: int) -> list[str]:
+        return pool[:: max(1, len(pool) // count)][:count]
+
+    chosen = spread(questions, base)
+    if total > base:
+        others = [q for q in questions if q not in set(chosen)]
+        chosen += spread(others, total - base)
+    return chosen
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument(
+        "--per-client",
+        type=int,
+        default=1,
+        help="at C clients ask at least this many times C questions (a steady state in which "
+        "a finished row's lane takes the next request, not one burst bound by its slowest row)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
@@ -256,20 +277,23 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model_and_tokenizer(dtype=DTYPES[args.dtype])
     questions = [q.turns[0] for q in load_questions(packaged_questions())]
-    # The questions benchmarks/serve_load.py asks: spread over the file's categories.
-    step = max(1, len(questions) // args.requests)
-    picked = questions[::step][: args.requests]
-    prompts = [chat_prompt(tokenizer, q, "").tolist() for q in picked]
     stop_ids = frozenset([tokenizer.eos_token_id])
     default = SpeculativeDecoder(model)
     methods = build_methods(default, cap=args.cap, perfect=args.perfect, fixed=args.fixed)
     env = {**environment(model, args.threads), **kernel_record(default.engine)}
+    asked = {
+        c: pass_questions(questions, args.requests, args.per_client * c) for c in args.concurrency
+    }
+    everything = sorted({q for chosen in asked.values() for q in chosen}, key=questions.index)
+    prompt_of = {q: chat_prompt(tokenizer, q, "").tolist() for q in everything}
     # Record the answers (and warm every path) once, untimed.
-    reference = run_batch(methods["ar"](1), prompts, 1, stop_ids)["answers"]
-    ANSWERS.update({tuple(p): a for p, a in zip(prompts, reference, strict=True)})
+    recorded = run_batch(methods["ar"](16), list(prompt_of.values()), 16, stop_ids)["answers"]
+    ANSWERS.update({tuple(p): a for p, a in zip(prompt_of.values(), recorded, strict=True)})
     args.output.parent.mkdir(parents=True, exist_ok=True)
     for clients in args.concurrency:
         lanes = max(clients, 1)
+        prompts = [prompt_of[q] for q in asked[clients]]
+        reference = [ANSWERS[tuple(p)] for p in prompts]
         seen: dict[str, list[dict[str, Any]]] = {name: [] for name in methods}
         for repeat in range(args.repeats):
             order = list(methods) if repeat % 2 == 0 else list(reversed(methods))

@@ -20,7 +20,8 @@ in its own index: a call whose context ends with something an earlier call wrote
 question on the same document, the same prompt again, a template) votes with those
 occurrences too. A new prompt that merely extends the last sequence (a conversation's next
 turn) is indexed incrementally instead of archived. In a batch, each row also looks up in
-the other rows' sequences as they grow.
+the other rows' sequences as they grow, and the rows keep one history (a server's lanes:
+what one request wrote is there for the next request in any lane), within one budget.
 
 The draft's length is not decided here: the planner cuts it at the tokens-per-time optimum
 from online acceptance estimates (:class:`~knapspec.drafters.acceptance.LookupAcceptance`).
