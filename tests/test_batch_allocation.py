@@ -15,6 +15,7 @@ from knapspec.decoding.batch_allocation import (
     ANCHOR_ROWS,
     FloatArray,
     best_lookup_allocation,
+    best_lookup_allocations,
     greedy_order,
     lookup_bound,
 )
@@ -133,3 +134,53 @@ def test_the_vectorised_search_is_the_loop_bitwise(
     assert isinstance(got[0], float) and np.isfinite(got[0])
     # The bound the policy skips the search with is one: no allocation beats it.
     assert lookup_bound(len(rates), wider, prices()) >= got[0] * (1 - 1e-12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rates=st.lists(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=10), min_size=1, max_size=16),
+    caps=st.integers(1, 12),
+    extra_cap=st.integers(0, 3),
+    per_token=st.floats(0.0, 0.3),
+    per_context=st.floats(0.0, 0.01),
+    context=st.integers(1, 4000),
+    calibrated=st.lists(
+        st.tuples(st.integers(1, 12), st.integers(1, 200), st.floats(0.5, 3.0)),
+        min_size=0,
+        max_size=6,
+    ),
+)
+def test_every_cap_at_once_is_each_cap_alone_bitwise(
+    rates: list[list[float]],
+    caps: int,
+    extra_cap: int,
+    per_token: float,
+    per_context: float,
+    context: int,
+    calibrated: list[tuple[int, int, float]],
+) -> None:
+    """What the policy runs (one pass over all caps) against the per-cap search above,
+    itself the loop's: the same tokens per second, bitwise, and the same γ, every cap."""
+
+    class Costs(VerifyCurveCostModel):
+        def verify_cost(self, tokens: int, context_length: int) -> float:
+            return 1.0 + per_token * (tokens - 1) + per_context * tokens * context_length
+
+    costs = Costs(lambda tokens: 1.0)
+    calibration = BatchPassCalibration()
+    for rows, tokens, ratio in calibrated:
+        calibration.observe(tokens, predicted=1.0, seconds=ratio, rows=rows)
+    gains = [chained_expected_tokens(row) for row in rates]
+    lengths = [len(row) for row in rates]
+
+    def prices() -> RoundPrices:
+        return RoundPrices(costs, len(rates), context, calibration, BatchPassCalibration(), None)
+
+    wider = greedy_order(gains, lengths, caps + extra_cap)
+    together = best_lookup_allocations(gains, lengths, caps, prices(), wider)
+    assert together == best_lookup_allocations(gains, lengths, caps, prices())
+    assert len(together) == caps
+    for cap, got in enumerate(together, start=1):
+        alone = best_lookup_allocation(gains, lengths, cap, prices(), wider)
+        assert got[1] == alone[1], cap
+        assert got[0] == alone[0] or (math.isnan(got[0]) and math.isnan(alone[0])), cap

@@ -147,10 +147,107 @@ def best_lookup_allocation(
     return best_tpt, [int(g) for g in gammas]
 
 
+def best_lookup_allocations(
+    gains: Sequence[FloatArray],
+    lengths: Sequence[int],
+    caps: int,
+    prices: RoundPrices,
+    order: GreedyOrder | None = None,
+) -> list[tuple[float, list[int]]]:
+    """:func:`best_lookup_allocation` for every cap ``1 .. caps`` at once: entry ``G - 1``
+    is bitwise its answer for cap ``G`` (``order``: :func:`greedy_order` for ``caps`` or
+    more). One pass of NumPy over ``(caps, anchors, increments)`` instead of a pass per cap,
+    whose few dozen small array operations each had cost 0.8 ms of a 17 ms four-row round
+    on a 2-core AMD EPYC Zen 4. A cap's increments are the order's of depth ``<= G``; the
+    others add ``0.0`` to every running sum (which leaves it bitwise as it was) and repeat
+    the candidate before them, so the first best candidate is always one the cap has."""
+    count = len(gains)
+    increments, owners, depths = order if order is not None else greedy_order(gains, lengths, caps)
+    if len(depths) and int(depths.max()) > caps:
+        within = depths <= caps
+        increments, owners, depths = increments[within], owners[within], depths[within]
+    n = len(increments)
+    attention = prices.attention_table(caps + 1)
+    base_attended = count * float(attention[1])
+    steps = attention[depths + 1] - attention[depths]
+    cap_values = np.arange(1, caps + 1)
+    inside = depths[None, :] <= cap_values[:, None]  # (G, n): the cap's increments
+    zero_column = np.zeros((caps, 1))
+    tokens = np.cumsum(
+        np.concatenate((zero_column + count, np.where(inside, increments, 0.0)), axis=1), axis=1
+    )
+    attended = np.cumsum(
+        np.concatenate((zero_column + base_attended, np.where(inside, steps, 0.0)), axis=1), axis=1
+    )
+    widest = 1 + np.maximum.accumulate(
+        np.concatenate((np.zeros((caps, 1), dtype=np.int64), np.where(inside, depths, 0)), axis=1),
+        axis=1,
+    )
+    taken: IntArray = np.concatenate(
+        (np.zeros((caps, 1), dtype=np.int64), np.cumsum(inside, axis=1, dtype=np.int64)), axis=1
+    )
+    greedy = tokens / prices.rounds(count + taken, widest, attended)
+    best_m = np.argmax(greedy, axis=1)
+    results: list[tuple[float, list[int]]] = []
+    for g in range(caps):
+        m = int(best_m[g])
+        chosen = owners[:m][inside[g, :m]]
+        results.append((float(greedy[g, m]), np.bincount(chosen, minlength=count).tolist()))
+    # Anchors: per cap, the rows whose whole prefix to the cap is the largest (as there).
+    prefix = np.array(
+        [
+            [float(gain[cap] - gain[0]) if length >= cap else -1.0 for cap in cap_values]
+            for gain, length in zip(gains, lengths, strict=True)
+        ]
+    ).reshape(count, caps)  # (rows, G)
+    ranked = np.argsort(-prefix, axis=0, kind="stable")[:ANCHOR_ROWS]  # (A, G)
+    anchor_rows = ranked.T  # (G, A)
+    usable = np.take_along_axis(prefix.T, anchor_rows, axis=1) >= 0  # (G, A)
+    if not usable.any():
+        return [(tpt, [int(g) for g in gammas]) for tpt, gammas in results]
+    others = inside[:, None, :] & (owners[None, None, :] != anchor_rows[:, :, None])  # (G, A, n)
+    start_tokens = count + np.take_along_axis(prefix.T, anchor_rows, axis=1)  # (G, A)
+    start_attended = base_attended + (attention[cap_values + 1] - float(attention[1]))  # (G,)
+    tokens2 = np.cumsum(
+        np.concatenate((start_tokens[:, :, None], np.where(others, increments, 0.0)), axis=2),
+        axis=2,
+    )
+    attended2 = np.cumsum(
+        np.concatenate(
+            (
+                np.broadcast_to(start_attended[:, None, None], (*anchor_rows.shape, 1)),
+                np.where(others, steps, 0.0),
+            ),
+            axis=2,
+        ),
+        axis=2,
+    )
+    taken2 = np.concatenate(
+        (np.zeros((*anchor_rows.shape, 1), dtype=np.int64), np.cumsum(others, axis=2)), axis=2
+    )
+    widths = np.broadcast_to(1 + cap_values[:, None, None], taken2.shape)
+    tpt = tokens2 / prices.rounds(count + cap_values[:, None, None] + taken2, widths, attended2)
+    valid = np.concatenate((usable[:, :, None], others & usable[:, :, None]), axis=2)
+    tpt = np.where(valid, tpt, -np.inf).reshape(caps, -1)
+    flat = np.argmax(tpt, axis=1)  # the first of equals, anchor by anchor, as there
+    final: list[tuple[float, list[int]]] = []
+    for g in range(caps):
+        best_tpt, gammas = results[g]
+        value = float(tpt[g, flat[g]])
+        if value > best_tpt:
+            a, j = divmod(int(flat[g]), n + 1)
+            best_tpt = value
+            gammas = np.bincount(owners[:j][others[g, a, :j]], minlength=count).tolist()
+            gammas[int(anchor_rows[g, a])] = g + 1
+        final.append((best_tpt, [int(x) for x in gammas]))
+    return final
+
+
 __all__ = [
     "ANCHOR_ROWS",
     "GreedyOrder",
     "best_lookup_allocation",
+    "best_lookup_allocations",
     "greedy_order",
     "lookup_bound",
 ]

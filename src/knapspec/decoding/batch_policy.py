@@ -42,7 +42,11 @@ from typing import Any
 import numpy as np
 
 from knapspec.costmodels.base import CostModel
-from knapspec.decoding.batch_allocation import best_lookup_allocation, greedy_order, lookup_bound
+from knapspec.decoding.batch_allocation import (
+    best_lookup_allocations,
+    greedy_order,
+    lookup_bound,
+)
 from knapspec.decoding.batch_plan import (
     BatchSubnetwork,
     DraftRealism,
@@ -346,8 +350,8 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         if offer is None and lookup_bound(count, order, prices) < (1.0 + self.margin) * plain:
             self.last_tokens_per_second = best_of
             return nothing
-        for cap in range(1, longest + 1):
-            tpt, gammas = best_lookup_allocation(gains, lookup_lengths, cap, prices, order)
+        allocations = best_lookup_allocations(gains, lookup_lengths, longest, prices, order)
+        for cap, (tpt, gammas) in enumerate(allocations, start=1):
             if tpt > best_of.get("proposals", 0.0):
                 best_of["proposals"] = tpt
             if tpt > best_tpt:
