@@ -31,23 +31,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from knapspec.bench import prompts as prompt_builders
 from knapspec.bench.env import environment
 from knapspec.bench.records import append_jsonl
-from knapspec.bench.specbench.questions import (
-    load_questions,
-    packaged_questions,
-    select_questions,
-)
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.drafters import LookupIndex
-from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.model.provision import default_model_path, load_model_and_tokenizer
+
+if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.vllm_proposer import prompt_sets
 
 #: ``propose(context) -> draft tokens``; one per request (it may keep state).
 Proposer = Callable[[list[int]], list[int]]
@@ -151,33 +150,12 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=Path("results/vllm/ngram_ceiling.jsonl"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model_and_tokenizer(dtype=torch.bfloat16)
+    model, _tokenizer = load_model_and_tokenizer(dtype=torch.bfloat16)
     decoder = SpeculativeDecoder(model)
     # The sets benchmarks/vllm_proposer.py sends, in its order.
-    questions = select_questions(
-        load_questions(packaged_questions()), per_category=args.per_category
-    )
-    specbench = [
-        list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": q.turns[0]}],
-                add_generation_prompt=True,
-                return_dict=False,
-            )
-        )
-        for q in questions
-    ]
-    builders = (
-        prompt_builders.long_input_prompt,
-        prompt_builders.copy_prompt,
-        prompt_builders.quote_prompt,
-        prompt_builders.edit_prompt,
-    )
-    copy = [
-        build(tokenizer, args.passage_tokens, seed=seed).tolist()
-        for seed in range(args.copy_seeds)
-        for build in builders
-    ]
+    sets = prompt_sets(str(default_model_path()), args)
+    specbench = [ids for _name, ids in sets["specbench"]]
+    copy = [ids for _name, ids in sets["copy"]]
     env = environment(model, args.threads)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     for set_name, prompts in (("specbench", specbench), ("copy", copy)):

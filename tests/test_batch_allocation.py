@@ -5,7 +5,7 @@ curves and calibrations both return the same tokens per second, bitwise, and the
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from hypothesis import given, settings
@@ -86,29 +86,25 @@ def loop_allocation(
     return best_tpt, gammas
 
 
-@settings(max_examples=200, deadline=None)
-@given(
-    rates=st.lists(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=10), min_size=1, max_size=16),
-    cap=st.integers(1, 10),
-    extra_cap=st.integers(0, 5),
-    per_token=st.floats(0.0, 0.3),
-    per_context=st.floats(0.0, 0.01),
-    context=st.integers(1, 4000),
-    calibrated=st.lists(
-        st.tuples(st.integers(1, 12), st.integers(1, 200), st.floats(0.5, 3.0)),
-        min_size=0,
-        max_size=6,
-    ),
-)
-def test_the_vectorised_search_is_the_loop_bitwise(
-    rates: list[list[float]],
-    cap: int,
-    extra_cap: int,
-    per_token: float,
-    per_context: float,
-    context: int,
-    calibrated: list[tuple[int, int, float]],
-) -> None:
+Search = tuple[list[FloatArray], list[int], Callable[[], RoundPrices]]
+
+
+@st.composite
+def searches(draw: st.DrawFn) -> Search:
+    """A random batch (per row, its acceptance rates), a cost curve linear in tokens and
+    context, a calibration, and a maker of fresh round prices for them."""
+    rates = draw(
+        st.lists(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=10), min_size=1, max_size=16)
+    )
+    per_token = draw(st.floats(0.0, 0.3))
+    per_context = draw(st.floats(0.0, 0.01))
+    context = draw(st.integers(1, 4000))
+    calibrated = draw(
+        st.lists(
+            st.tuples(st.integers(1, 12), st.integers(1, 200), st.floats(0.5, 3.0)), max_size=6
+        )
+    )
+
     class Costs(VerifyCurveCostModel):
         def verify_cost(self, tokens: int, context_length: int) -> float:
             return 1.0 + per_token * (tokens - 1) + per_context * tokens * context_length
@@ -117,12 +113,19 @@ def test_the_vectorised_search_is_the_loop_bitwise(
     calibration = BatchPassCalibration()
     for rows, tokens, ratio in calibrated:
         calibration.observe(tokens, predicted=1.0, seconds=ratio, rows=rows)
-    gains = [chained_expected_tokens(row) for row in rates]
-    lengths = [len(row) for row in rates]
 
     def prices() -> RoundPrices:
         return RoundPrices(costs, len(rates), context, calibration, BatchPassCalibration(), None)
 
+    return [chained_expected_tokens(row) for row in rates], [len(row) for row in rates], prices
+
+
+@settings(max_examples=200, deadline=None)
+@given(search=searches(), cap=st.integers(1, 10), extra_cap=st.integers(0, 5))
+def test_the_vectorised_search_is_the_loop_bitwise(
+    search: Search, cap: int, extra_cap: int
+) -> None:
+    gains, lengths, prices = search
     expected = loop_allocation(gains, lengths, cap, prices())
     got = best_lookup_allocation(gains, lengths, cap, prices())
     # the policy sorts once for its largest cap and hands the order to every cap
@@ -133,49 +136,17 @@ def test_the_vectorised_search_is_the_loop_bitwise(
     assert all(0 <= g <= min(cap, n) for g, n in zip(got[1], lengths, strict=True))
     assert isinstance(got[0], float) and np.isfinite(got[0])
     # The bound the policy skips the search with is one: no allocation beats it.
-    assert lookup_bound(len(rates), wider, prices()) >= got[0] * (1 - 1e-12)
+    assert lookup_bound(len(gains), wider, prices()) >= got[0] * (1 - 1e-12)
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    rates=st.lists(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=10), min_size=1, max_size=16),
-    caps=st.integers(1, 12),
-    extra_cap=st.integers(0, 3),
-    per_token=st.floats(0.0, 0.3),
-    per_context=st.floats(0.0, 0.01),
-    context=st.integers(1, 4000),
-    calibrated=st.lists(
-        st.tuples(st.integers(1, 12), st.integers(1, 200), st.floats(0.5, 3.0)),
-        min_size=0,
-        max_size=6,
-    ),
-)
+@given(search=searches(), caps=st.integers(1, 12), extra_cap=st.integers(0, 3))
 def test_every_cap_at_once_is_each_cap_alone_bitwise(
-    rates: list[list[float]],
-    caps: int,
-    extra_cap: int,
-    per_token: float,
-    per_context: float,
-    context: int,
-    calibrated: list[tuple[int, int, float]],
+    search: Search, caps: int, extra_cap: int
 ) -> None:
     """What the policy runs (one pass over all caps) against the per-cap search above,
     itself the loop's: the same tokens per second, bitwise, and the same γ, every cap."""
-
-    class Costs(VerifyCurveCostModel):
-        def verify_cost(self, tokens: int, context_length: int) -> float:
-            return 1.0 + per_token * (tokens - 1) + per_context * tokens * context_length
-
-    costs = Costs(lambda tokens: 1.0)
-    calibration = BatchPassCalibration()
-    for rows, tokens, ratio in calibrated:
-        calibration.observe(tokens, predicted=1.0, seconds=ratio, rows=rows)
-    gains = [chained_expected_tokens(row) for row in rates]
-    lengths = [len(row) for row in rates]
-
-    def prices() -> RoundPrices:
-        return RoundPrices(costs, len(rates), context, calibration, BatchPassCalibration(), None)
-
+    gains, lengths, prices = search
     wider = greedy_order(gains, lengths, caps + extra_cap)
     together = best_lookup_allocations(gains, lengths, caps, prices(), wider)
     assert together == best_lookup_allocations(gains, lengths, caps, prices())
