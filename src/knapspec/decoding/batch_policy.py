@@ -42,11 +42,7 @@ from typing import Any
 import numpy as np
 
 from knapspec.costmodels.base import CostModel
-from knapspec.decoding.batch_allocation import (
-    best_lookup_allocations,
-    greedy_order,
-    lookup_bound,
-)
+from knapspec.decoding.batch_allocation import best_lookup_allocations, greedy_order, lookup_bound
 from knapspec.decoding.batch_plan import (
     BatchSubnetwork,
     DraftRealism,
