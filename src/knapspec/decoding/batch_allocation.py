@@ -56,6 +56,17 @@ def greedy_order(gains: Sequence[FloatArray], lengths: Sequence[int], cap: int) 
     return value[order], np.concatenate(rows)[order], np.concatenate(depths)[order]
 
 
+def _order_within(
+    gains: Sequence[FloatArray], lengths: Sequence[int], cap: int, order: GreedyOrder | None
+) -> GreedyOrder:
+    """``order`` (made when None) without the increments deeper than ``cap``."""
+    increments, owners, depths = order if order is not None else greedy_order(gains, lengths, cap)
+    if len(depths) and int(depths.max()) > cap:
+        within = depths <= cap
+        return increments[within], owners[within], depths[within]
+    return increments, owners, depths
+
+
 def lookup_bound(count: int, order: GreedyOrder, prices: RoundPrices) -> float:
     """An upper bound on the tokens per second of every lookup allocation the search
     (:func:`best_lookup_allocation`, any cap) can choose from ``order``.
@@ -84,10 +95,7 @@ def best_lookup_allocation(
     the γ_r (all 0 when no extra token pays). ``order``: :func:`greedy_order` for this cap
     or a larger one (made here when None)."""
     count = len(gains)
-    increments, owners, depths = order if order is not None else greedy_order(gains, lengths, cap)
-    if len(depths) and int(depths.max()) > cap:
-        within = depths <= cap
-        increments, owners, depths = increments[within], owners[within], depths[within]
+    increments, owners, depths = _order_within(gains, lengths, cap, order)
     n = len(increments)
     attention = prices.attention_table(cap + 1)  # attention[w]: one row at width w
     base_attended = count * float(attention[1])
@@ -162,10 +170,7 @@ def best_lookup_allocations(
     others add ``0.0`` to every running sum (which leaves it bitwise as it was) and repeat
     the candidate before them, so the first best candidate is always one the cap has."""
     count = len(gains)
-    increments, owners, depths = order if order is not None else greedy_order(gains, lengths, caps)
-    if len(depths) and int(depths.max()) > caps:
-        within = depths <= caps
-        increments, owners, depths = increments[within], owners[within], depths[within]
+    increments, owners, depths = _order_within(gains, lengths, caps, order)
     n = len(increments)
     attention = prices.attention_table(caps + 1)
     base_attended = count * float(attention[1])
