@@ -283,13 +283,17 @@ def test_the_batch_chi_square_check_has_power_against_a_lossy_sampler(
     """Accepting every lookup draft token must be caught by the same test (rejection
     sampling's verifier; the position-keyed one's is checked with sub-network drafts)."""
 
+    accepted: list[int] = []
+
     def accept_everything(drafts, draft_probs, target_probs, generator):  # type: ignore[no-untyped-def]
+        accepted.append(len(drafts))
         bonus = int(torch.multinomial(target_probs[len(drafts)], 1, generator=generator))
         return Verdict(len(drafts), [*drafts, bonus])
 
     monkeypatch.setattr(sampler_module, "verify_sampling", accept_everything)
     params = SamplingParams(do_sample=True, temperature=1.0, verification="rejection")
     counts, _ = _batch_samples(params, RUNS)
+    assert sum(accepted) > RUNS, "the lossy verifier never judged a draft"
     joint = _exact_joint(_small_vocab_model(), PROMPTS[1], params, LENGTH)
     assert _chi_square_pvalue(counts[1], joint) < 1e-6
 

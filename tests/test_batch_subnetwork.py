@@ -18,6 +18,7 @@ from tests.test_sampling import (
     _exact_joint,
     _small_vocab_model,
     accept_every_keyed_draft,
+    counting,
 )
 from tests.tiny_models import tiny_model
 
@@ -188,8 +189,9 @@ def test_the_subnetwork_chi_square_check_has_power_against_a_lossy_verifier(
     """Accepting every sub-network draft token (drawn from the draft's q with the keyed
     noise) is caught; the draft skips every item but the last MLP, so its q is far from
     the target's."""
-    monkeypatch.setattr(TokenSampler, "verify", accept_every_keyed_draft)
+    verdicts = counting(monkeypatch, TokenSampler, "verify", accept_every_keyed_draft)
     counts, _ = _subnetwork_samples(RUNS, (0, 1, 2, 3, 4))
+    assert any(verdict.accepted for verdict in verdicts), "no draft met the lossy verifier"
     params = SamplingParams(do_sample=True, temperature=1.0)
     joint = _exact_joint(_small_vocab_model(), PROMPTS[0], params, LENGTH)
     assert _chi_square_pvalue(counts[0], joint) < 1e-6

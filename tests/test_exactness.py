@@ -7,6 +7,7 @@ checks have the power to catch a row-count-dependent kernel (the mutant tests be
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -14,10 +15,16 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from knapspec.model.engine import SublayerEngine
+from knapspec.model.exact_pass import ExactLayerPass
 from knapspec.model.invariance import is_row_invariant, row_invariant_table
 from knapspec.model.kernels import KERNELS, Kernel, KernelTable, blocked
 from knapspec.model.row_attention import attend_rows, kernel_available
-from knapspec.testing.exactness import batch_mismatches, verification_mismatches
+from knapspec.testing.exactness import (
+    RowCountingKernel,
+    batch_mismatches,
+    tree_mismatches,
+    verification_mismatches,
+)
 from knapspec.testing.models import tiny_model
 
 FAMILIES = ("llama", "qwen3")
@@ -123,18 +130,95 @@ def test_a_row_count_dependent_engine_fails_the_contract(family: str) -> None:
     assert verification_mismatches(engine, _tokens(30, 1), _tokens(11, 2))
 
 
-def test_a_mutant_kernel_in_an_exact_engine_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Bring back a row-count-dependent kernel behind the probe's back: the contract
-    tests must fail (this is the check that they can)."""
+#: The engine's paths a verification can take, and how to choose each.
+PATHS = {
+    "layer-loop": {},
+    "lean-items": {"compiled_loop": False},
+    "general": {"lean_passes": False},
+}
 
-    def drifting(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        out = torch.nn.functional.linear(x, weight, bias)
-        return out * (1 + 1e-6 * (rows > 1))  # rounds differently with more rows
 
+class _PathSpy:
+    """Counts lean passes prepared and compiled layer loops that ran (the path taken)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.prepared = self.looped = 0
+        prepare, run_layers = ExactLayerPass.prepare.__func__, ExactLayerPass.run_layers  # type: ignore[attr-defined]
+
+        def spy_prepare(cls: type[ExactLayerPass], *args: object, **kwargs: object) -> object:
+            lean = prepare(cls, *args, **kwargs)
+            self.prepared += lean is not None
+            return lean
+
+        def spy_run(lean: ExactLayerPass, *args: object, **kwargs: object) -> object:
+            looped = run_layers(lean, *args, **kwargs)
+            self.looped += looped is not None
+            return looped
+
+        monkeypatch.setattr(ExactLayerPass, "prepare", classmethod(spy_prepare))
+        monkeypatch.setattr(ExactLayerPass, "run_layers", spy_run)
+
+    def took(self, path: str) -> bool:
+        if path == "layer-loop":
+            return self.looped > 0
+        if path == "lean-items":
+            return self.prepared > 0 and self.looped == 0
+        return self.prepared == 0
+
+
+def _verify(check: str, engine: SublayerEngine) -> list[str]:
+    """One check of the contract on ``engine``: a sequence, a batch or a token tree."""
+    if check == "sequence":
+        return verification_mismatches(engine, _tokens(12, 3), _tokens(5, 4))
+    if check == "batch":
+        contexts = [_tokens(n, n) for n in (9, 14, 5)]
+        return batch_mismatches(engine, contexts, [_tokens(w, 40 + w) for w in (4, 6, 3)])
+    parents = [-1, 0, 0, 1, 2, 3]
+    return tree_mismatches(engine, _tokens(12, 3), _tokens(6, 4), parents, 5, _tokens(1, 5))
+
+
+#: The drift of the row-count-dependent product (``KNAPSPEC_MUTANT_DRIFT=0`` removes it,
+#: to show that the mutant arms then fail).
+MUTANT_DRIFT = float(os.environ.get("KNAPSPEC_MUTANT_DRIFT", "1e-6"))
+
+
+@pytest.mark.parametrize("mutant", [False, True], ids=["control", "mutant"])
+@pytest.mark.parametrize("check", ["sequence", "batch", "tree"])
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_a_mutant_kernel_in_an_exact_engine_is_caught(
+    path: str, check: str, mutant: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bring back a row-count-dependent product behind the probe's back, on every path the
+    engine verifies by, after the engine has already run (plans made, as in any suite
+    order): the mutant must run there, and the contract check must fail. The control (the
+    same kernel without the drift) runs there too and passes, so the drift alone is what
+    the check caught."""
     engine = _engine("llama", torch.float32)
-    monkeypatch.setitem(engine._dispatch, (64, 64), tuple([drifting] * 17))
-    assert verification_mismatches(engine, _tokens(12, 3), _tokens(5, 4))
+    for name, value in PATHS[path].items():
+        monkeypatch.setattr(engine, name, value)
+    assert _verify(check, engine) == []  # every plan made before the kernel changes
+    spy = _PathSpy(monkeypatch)
+    kernel = RowCountingKernel(MUTANT_DRIFT if mutant else 0.0, base=KERNELS["rowwise"])
+    with engine.substituted_products(kernel, [(64, 64)]):
+        problems = _verify(check, engine)
+    assert kernel.multi_row_calls > 0, "the kernel never ran over several rows"
+    assert spy.took(path), f"the check did not run the {path} path"
+    assert bool(problems) == mutant, problems
+
+
+def test_the_substituted_products_are_the_tables_again_afterwards() -> None:
+    engine = _engine("llama", torch.float32)
+    before, generation = dict(engine._dispatch), engine.kernel_generation
+    kernel = RowCountingKernel(1e-6)
+    with engine.substituted_products(kernel):
+        assert all(set(k) == {kernel} for k in engine._dispatch.values())
+    assert dict(engine._dispatch) == before
+    assert engine.kernel_generation == generation + 2
+    assert verification_mismatches(engine, _tokens(12, 3), _tokens(5, 4)) == []
+    with pytest.raises(TypeError):  # a direct write would bypass the plans' refresh
+        engine._dispatch[(64, 64)] = (kernel,)  # type: ignore[index]
+    with pytest.raises(ValueError, match="no product of this engine has"):
+        engine.substituted_products(kernel, [(3, 3)]).__enter__()
 
 
 def test_the_probe_rejects_a_row_count_dependent_kernel() -> None:
@@ -193,16 +277,14 @@ def test_the_mutant_forced_into_an_exact_bf16_engine_breaks_the_contract() -> No
     an exact bfloat16 engine, and the contract test finds verifications that differ from
     one-token steps (with the probe in charge, the same seeds pass: the tests above)."""
     engine = SublayerEngine(tiny_model("qwen3").to(torch.bfloat16))
-    mutant = _split_k_above(2)
-    for shape in list(engine._dispatch):
-        engine._dispatch[shape] = tuple([mutant] * len(engine._dispatch[shape]))
-    for shape in list(engine._large):
-        engine._large[shape] = mutant
-    broken = [
-        seed
-        for seed in range(40)
-        if verification_mismatches(engine, _tokens(40, seed), _tokens(14, seed + 1))
-    ]
+    mutant = RowCountingKernel(0.0, base=_split_k_above(2))
+    with engine.substituted_products(mutant):
+        broken = [
+            seed
+            for seed in range(40)
+            if verification_mismatches(engine, _tokens(40, seed), _tokens(14, seed + 1))
+        ]
+    assert mutant.multi_row_calls > 0, "the mutant never ran over several rows"
     assert broken, "forcing a row-count-dependent kernel should break some verification"
 
 

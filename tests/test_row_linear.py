@@ -28,7 +28,7 @@ from knapspec.model.row_linear import (
     packed_linear,
     row_linear,
 )
-from knapspec.testing.exactness import verification_mismatches
+from knapspec.testing.exactness import RowCountingKernel, verification_mismatches
 from knapspec.testing.models import tiny_model
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -152,18 +152,17 @@ def test_an_exact_engine_running_it_everywhere_keeps_the_contract(
     family: str, kernel: Kernel, dtype: torch.dtype
 ) -> None:
     engine = SublayerEngine(tiny_model(family).to(dtype))
-    for shape in list(engine._dispatch):
-        engine._dispatch[shape] = tuple([kernel] * len(engine._dispatch[shape]))
-    for shape in list(engine._large):
-        engine._large[shape] = kernel
-    for seed in range(6):
-        context = torch.randint(
-            0, 97, (20 + 9 * seed,), generator=torch.Generator().manual_seed(seed)
-        )
-        drafted = torch.randint(
-            0, 97, (1 + 3 * seed,), generator=torch.Generator().manual_seed(seed + 50)
-        )
-        assert verification_mismatches(engine, context, drafted) == []
+    counted = RowCountingKernel(0.0, base=kernel)
+    with engine.substituted_products(counted):
+        for seed in range(6):
+            context = torch.randint(
+                0, 97, (20 + 9 * seed,), generator=torch.Generator().manual_seed(seed)
+            )
+            drafted = torch.randint(
+                0, 97, (1 + 3 * seed,), generator=torch.Generator().manual_seed(seed + 50)
+            )
+            assert verification_mismatches(engine, context, drafted) == []
+    assert counted.multi_row_calls > 0, "the kernel never ran over several rows"
 
 
 def test_the_probe_offers_it_to_exact_engines() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from typing import Any
 
 import attrs
 import pytest
@@ -181,7 +182,10 @@ def test_the_chi_square_check_has_power_against_a_lossy_sampler(
 ) -> None:
     """Accepting every draft token (output ~ the draft) must be caught by the same test."""
 
+    accepted: list[int] = []
+
     def accept_everything(drafts, draft_probs, target_probs, generator):  # type: ignore[no-untyped-def]
+        accepted.append(len(drafts))
         bonus = int(torch.multinomial(target_probs[len(drafts)], 1, generator=generator))
         return Verdict(len(drafts), [*drafts, bonus])
 
@@ -193,6 +197,7 @@ def test_the_chi_square_check_has_power_against_a_lossy_sampler(
     )
     joint = _exact_joint(model, PROMPT, params, LENGTH)
     samples = _sample(decoder, PROMPT, params, RUNS, LENGTH)
+    assert sum(accepted) > RUNS, "the lossy verifier never judged a draft"
     assert _chi_square_pvalue(samples, joint) < 1e-6
 
 
@@ -209,7 +214,7 @@ def accept_every_keyed_draft(
 def test_the_chi_square_check_has_power_against_a_lossy_keyed_verifier(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(TokenSampler, "verify", accept_every_keyed_draft)
+    verdicts = counting(monkeypatch, TokenSampler, "verify", accept_every_keyed_draft)
     params = SamplingParams(do_sample=True, temperature=1.0)
     model = _small_vocab_model()
     decoder = SpeculativeDecoder(
@@ -217,7 +222,24 @@ def test_the_chi_square_check_has_power_against_a_lossy_keyed_verifier(
     )
     joint = _exact_joint(model, PROMPT, params, LENGTH)
     samples = _sample(decoder, PROMPT, params, RUNS, LENGTH)
+    assert verdicts, "the lossy verifier never judged a draft"
     assert _chi_square_pvalue(samples, joint) < 1e-6
+
+
+def counting(
+    monkeypatch: pytest.MonkeyPatch, owner: object, name: str, replacement: Any
+) -> list[object]:
+    """Put ``replacement`` at ``owner.name`` for the test and return the list its calls'
+    results are appended to (so a power check can show that its mutant ran)."""
+    results: list[object] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        result = replacement(*args, **kwargs)
+        results.append(result)
+        return result
+
+    monkeypatch.setattr(owner, name, recorded)
+    return results
 
 
 def test_sampling_parameters_are_validated() -> None:

@@ -18,6 +18,7 @@ from knapspec.model.cache import KVCache
 from knapspec.model.engine import SublayerEngine
 from knapspec.model.row_attention import attend_rows, attend_tree_rows
 from knapspec.model.tree import tree_layout
+from knapspec.testing.exactness import tree_mismatches
 from knapspec.testing.models import tiny_model
 
 FAMILIES = ("llama", "qwen3")
@@ -198,34 +199,8 @@ def _tree_mismatches(
     parents: list[int],
     node: int,
 ) -> list[str]:
-    """Verify the tree after ``context``, keep the path to ``node``, and compare with
-    one-token steps along that path (logits, every layer's K/V, and one step after)."""
-    start = context.numel()
-    capacity = start + tokens.numel() + 1
-    cache = engine.new_cache(capacity)
-    engine.forward(context, 0, cache, all_logits=False)
-    verified = engine.forward_tree(tokens, start, parents, cache)
-    path = tree_layout(parents, start, tokens.numel()).path(node)
-    cache.compact(start, path)
-    reference = engine.new_cache(capacity)
-    engine.forward(context, 0, reference, all_logits=False)
-    problems = []
-    for j, slot in enumerate(path):
-        stepped = engine.forward(tokens[slot : slot + 1], start + j, reference).logits[0]
-        if not torch.equal(verified.logits[slot], stepped):
-            problems.append(f"logits of node {slot}")
-    end = start + len(path)
-    assert cache.lengths == reference.lengths == [end] * engine.num_layers
-    for layer in range(engine.num_layers):
-        if not torch.equal(cache.keys(layer), reference.keys(layer)):
-            problems.append(f"keys layer {layer}")
-        if not torch.equal(cache.values(layer), reference.values(layer)):
-            problems.append(f"values layer {layer}")
-    following = _tokens(1, node)
-    after = engine.forward(following, end, cache).logits
-    if not torch.equal(after, engine.forward(following, end, reference).logits):
-        problems.append("the step after compaction")
-    return problems
+    """:func:`tree_mismatches` with one following token drawn from ``node``."""
+    return tree_mismatches(engine, context, tokens, parents, node, _tokens(1, node))
 
 
 @given(
@@ -315,6 +290,8 @@ def test_a_tree_attended_in_one_sdpa_call_fails_the_check(monkeypatch: pytest.Mo
     (this is the check that it can)."""
     from knapspec.model import engine as engine_module
 
+    calls: list[int] = []
+
     def one_call(
         query: torch.Tensor,
         keys: torch.Tensor,
@@ -323,6 +300,7 @@ def test_a_tree_attended_in_one_sdpa_call_fails_the_check(monkeypatch: pytest.Mo
         visible: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
+        calls.append(query.shape[1])
         start, size = int(prefix[0]), query.shape[1]
         bits = (visible.unsqueeze(1) >> torch.arange(size)) & 1
         mask = torch.cat([torch.ones(size, start, dtype=torch.bool), bits.bool()], dim=1)
@@ -335,9 +313,11 @@ def test_a_tree_attended_in_one_sdpa_call_fails_the_check(monkeypatch: pytest.Mo
     engine = _engine("llama", torch.float32)
     # The mutant sits in the general path; the lean pass (bitwise that path, see
     # tests/test_exact_pass.py) would not call it.
-    engine.lean_passes = False
+    monkeypatch.setattr(engine, "lean_passes", False)
     parents = _random_parents(12, 3)
-    assert _tree_mismatches(engine, _tokens(30, 1), _tokens(12, 2), parents, 11)
+    problems = _tree_mismatches(engine, _tokens(30, 1), _tokens(12, 2), parents, 11)
+    assert calls, "the mutant tree attention never ran"
+    assert problems
 
 
 @pytest.mark.parametrize(

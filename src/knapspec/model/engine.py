@@ -24,10 +24,12 @@ the cache, token trees and weight fusion already live in their own modules.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -351,7 +353,9 @@ class SublayerEngine:
             # step has that shape (they start past the prompt), plain and speculative
             # decoding share the prefill, and with chunk invariance on (prefix cache,
             # conversations) every prefill keeps the row-invariant kernels.
-            self._prefill_large = prefill_dispatch(self, measured, table, self._time_cold_prefill)
+            self._prefill_large: Mapping[tuple[int, ...], Kernel] = prefill_dispatch(
+                self, measured, table, self._time_cold_prefill
+            )
 
     def _time_cold_prefill(self, dispatch: Mapping[tuple[int, ...], Kernel], length: int) -> float:
         """Seconds of one cold prefill of ``length`` tokens (a fixed pseudo-random prompt)
@@ -416,8 +420,7 @@ class SublayerEngine:
         self.kernels = table
         self.small_row_linear = not table.is_plain
         self._max_rows = table.max_rows if not table.is_plain else 0
-        self._dispatch: dict[tuple[int, ...], tuple[Kernel, ...]] = table.dispatch()
-        self._large: dict[tuple[int, ...], Kernel] = table.large_dispatch()
+        self._set_dispatch(table.dispatch(), table.large_dispatch())
         #: The kernels of a cold prefill's many-row products (``__init__`` says when they
         #: differ from ``_large``).
         self._prefill_large = self._large
@@ -431,6 +434,53 @@ class SublayerEngine:
         self._fuse_qkv_large = uniform and all(self._fuse_qkv_rows[1:])
         self._fuse_gate_up_large = uniform and all(self._fuse_gate_up_rows[1:])
         self._prepack(table)
+
+    def _set_dispatch(
+        self,
+        few: Mapping[tuple[int, ...], tuple[Kernel, ...]],
+        large: Mapping[tuple[int, ...], Kernel],
+    ) -> None:
+        """Install the kernels products run with, read-only (a write that bypassed this would
+        leave plans made from the old ones, such as the compiled layer loop's pointers, in
+        use), and move :attr:`kernel_generation` so that every such plan is made again."""
+        self._dispatch: Mapping[tuple[int, ...], tuple[Kernel, ...]] = MappingProxyType(dict(few))
+        self._large: Mapping[tuple[int, ...], Kernel] = MappingProxyType(dict(large))
+        #: Moves whenever the kernels change: what a plan made from them compares against.
+        self.kernel_generation: int = getattr(self, "kernel_generation", 0) + 1
+
+    @contextlib.contextmanager
+    def substituted_products(
+        self, kernel: Kernel, shapes: Collection[tuple[int, ...]] | None = None
+    ) -> Iterator[None]:
+        """Run every product the kernel table routes, of the weight ``shapes`` (all when
+        None; fused projections included), through ``kernel`` while the context is open, on
+        every path the engine has: items, lean passes, the compiled layer loop (as a
+        callback), batched and tree passes, few rows and many, prefill too. The table's
+        kernels come back on exit.
+
+        A seam for checks of power, which must put a faulty kernel where the engine really
+        computes, and for experiments with a kernel of one's own; the exactness probe does
+        not vet ``kernel``.
+        """
+        few, large, prefill = self._dispatch, self._large, self._prefill_large
+        every = set(few) | set(large) | set(prefill)
+        chosen = every if shapes is None else {tuple(shape) for shape in shapes}
+        unknown = chosen - every
+        if unknown:
+            raise ValueError(
+                f"no product of this engine has the weight shape(s) {sorted(unknown)}; "
+                f"its shapes are {sorted(every)}"
+            )
+        self._set_dispatch(
+            {s: (tuple([kernel] * len(k)) if s in chosen else k) for s, k in few.items()},
+            {s: (kernel if s in chosen else k) for s, k in large.items()},
+        )
+        self._prefill_large = {s: (kernel if s in chosen else k) for s, k in prefill.items()}
+        try:
+            yield
+        finally:
+            self._set_dispatch(few, large)
+            self._prefill_large = prefill
 
     def _prepack(self, table: KernelTable) -> None:
         """Reorder now every weight ``table`` runs through oneDNN (see

@@ -95,7 +95,7 @@ class LoopEngine(Protocol):
     """What the loop uses of :class:`~knapspec.model.engine.SublayerEngine`."""
 
     compiled_loop: bool
-    kernels: Any
+    kernel_generation: int
     dtype: torch.dtype
     num_heads: int
     kv_heads: int
@@ -178,7 +178,8 @@ class _Plan:
 
     def __init__(self, engine: LoopEngine, tokens: int) -> None:
         self.ok = False
-        self._table = engine.kernels  # another table (the autotuner swaps them) runs others
+        # Another table (the autotuner swaps them) or substituted products run other kernels.
+        self._generation = engine.kernel_generation
         self._sources: list[tuple[nn.Module, str, torch.Tensor, int]] = []
         self._fusions: list[tuple[FusedProjection, int]] = []
         self._keep: list[torch.Tensor] = []
@@ -243,9 +244,9 @@ class _Plan:
         self.ok = True
 
     def current(self, engine: LoopEngine) -> bool:
-        """Whether ``engine`` still runs the kernel table the plan was made under and every
+        """Whether ``engine`` still runs the kernels the plan was made from and every
         weight the plan points at is still the module's, unchanged."""
-        if engine.kernels is not self._table:
+        if engine.kernel_generation != self._generation:
             return False
         for module, name, tensor, version in self._sources:
             if module._parameters.get(name) is not tensor or tensor._version != version:

@@ -9,12 +9,14 @@ contract kept.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from knapspec.model.batched import AttentionLayout, forward_batch, new_batch_cache
+from knapspec.model.tree import tree_layout
 
 if TYPE_CHECKING:
     from knapspec.model.cache import KVCache
@@ -111,4 +113,79 @@ def batch_mismatches(
     return problems
 
 
-__all__ = ["batch_mismatches", "verification_mismatches"]
+def tree_mismatches(
+    engine: SublayerEngine,
+    context: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: list[int],
+    node: int,
+    following: torch.Tensor,
+) -> list[str]:
+    """Where verifying the token tree ``tokens (T,)`` (``parents``: each node's parent,
+    -1 for the root) after ``context (n,)``, then keeping the path to ``node``, differs
+    from one-token steps along that path: the path's logits, every layer's K/V, and one
+    step of ``following (1,)`` after the compaction."""
+    start = context.numel()
+    capacity = start + tokens.numel() + 1
+    cache = engine.new_cache(capacity)
+    engine.forward(context, 0, cache, all_logits=False)
+    verified = engine.forward_tree(tokens, start, parents, cache)
+    path = tree_layout(parents, start, tokens.numel()).path(node)
+    cache.compact(start, path)
+    reference = engine.new_cache(capacity)
+    engine.forward(context, 0, reference, all_logits=False)
+    problems = []
+    for j, slot in enumerate(path):
+        stepped = engine.forward(tokens[slot : slot + 1], start + j, reference).logits[0]
+        if not torch.equal(verified.logits[slot], stepped):
+            problems.append(f"logits of node {slot}")
+    end = start + len(path)
+    if not cache.lengths == reference.lengths == [end] * engine.num_layers:
+        problems.append(f"lengths {cache.lengths} after compaction, expected {end} each")
+        return problems
+    for layer in range(engine.num_layers):
+        if not torch.equal(cache.keys(layer), reference.keys(layer)):
+            problems.append(f"keys layer {layer}")
+        if not torch.equal(cache.values(layer), reference.values(layer)):
+            problems.append(f"values layer {layer}")
+    after = engine.forward(following, end, cache).logits
+    if not torch.equal(after, engine.forward(following, end, reference).logits):
+        problems.append("the step after compaction")
+    return problems
+
+
+class RowCountingKernel:
+    """A product kernel for checks of power: ``base``'s result (``F.linear`` unless given),
+    scaled by ``1 + drift`` whenever more than one row is computed, so a nonzero ``drift``
+    makes it row-count dependent (the fault the contract rules out) and zero makes it the
+    control. It records every call's row count, so a check can first show that the kernel
+    ran where the engine computes (:meth:`SublayerEngine.substituted_products` puts it
+    there) before it shows what the contract made of it."""
+
+    def __init__(
+        self,
+        drift: float,
+        base: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+        | None = None,
+    ) -> None:
+        self.drift = drift
+        self.base = base if base is not None else F.linear
+        #: The number of rows of every call, in order.
+        self.rows: list[int] = []
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x (..., in)`` through ``weight (out, in)`` -> ``(..., out)``."""
+        rows = x.numel() // x.shape[-1]
+        self.rows.append(rows)
+        out = self.base(x, weight, bias)
+        return out * (1 + self.drift) if self.drift and rows > 1 else out
+
+    @property
+    def multi_row_calls(self) -> int:
+        """How many calls computed more than one row (where a drift shows)."""
+        return sum(1 for rows in self.rows if rows > 1)
+
+
+__all__ = ["RowCountingKernel", "batch_mismatches", "tree_mismatches", "verification_mismatches"]
