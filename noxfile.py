@@ -66,30 +66,78 @@ def tests(session: nox.Session) -> None:
         "python",
         "-m",
         "pytest",
+        # In file order (pytest-randomly off): ``nox -s shuffled`` checks any order.
+        "-p",
+        "no:randomly",
         *(session.posargs or ["-q", "-m", "not slow", "-n", WORKERS, "--durations=25"]),
         env={"HF_HUB_OFFLINE": "1", "HYPOTHESIS_PROFILE": "ci"},
     )
 
 
-#: What an Intel Xeon with AMX reports among its flags (the bf16 units the dtype choice reads).
+#: What each CPU class here reports among its flags (the units the dtype choice, the kernel
+#: tables and the attention path read): an Intel Xeon with AMX, an AMD EPYC Zen 4 (AVX512-BF16,
+#: no AMX) and an AMD EPYC Zen 3 (AVX2 only).
 AMX_FLAGS = "avx2 fma avx512f avx512bw avx512vl avx512_bf16 avx512_vnni amx_tile amx_bf16 amx_int8"
+ZEN4_FLAGS = "avx2 fma avx512f avx512bw avx512vl avx512_bf16 avx512_vnni"
+AVX2_FLAGS = "avx avx2 fma f16c"
 
 
-@nox.session(
-    python=None if TESTS_IN_ACTIVE_ENV else PYTHON,
-    venv_backend="none" if TESTS_IN_ACTIVE_ENV else None,
-)
-def amx(session: nox.Session) -> None:
-    """The tests session as an Intel Xeon with AMX would run it: ``pytest --cpu-flags`` claims
-    its flags, so ``--dtype auto`` times bfloat16 against float32 and every CPU-keyed cache
-    is kept apart. The kernels are still this CPU's; docs/extending.md says what a claim
-    covers. ``nox -s amx -- tests/test_cli.py`` narrows it."""
+def _as_cpu(session: nox.Session, flags: str) -> None:
+    """The tests session as a CPU with ``flags`` would run it: ``pytest --cpu-flags``
+    claims them, so ``--dtype auto``, the kernel tables, the attention path and every
+    CPU-keyed cache decide as there. A claim takes units away, never adds them: kernels
+    this CPU lacks skip, and the run's last lines count them; docs/extending.md says what a
+    claim covers. ``-- tests/test_cli.py`` narrows it."""
     _install(session, "test")
     selection = session.posargs or ["-m", "not slow", "-n", WORKERS]
     session.run(
-        "python", "-m", "pytest", "-q", f"--cpu-flags={AMX_FLAGS}", *selection,
-        env={"HF_HUB_OFFLINE": "1", "HYPOTHESIS_PROFILE": "ci"},
+        "python", "-m", "pytest", "-q", "-p", "no:randomly", f"--cpu-flags={flags}",
+        *selection, env={"HF_HUB_OFFLINE": "1", "HYPOTHESIS_PROFILE": "ci"},
     )  # fmt: skip
+
+
+_ACTIVE = {
+    "python": None if TESTS_IN_ACTIVE_ENV else PYTHON,
+    "venv_backend": "none" if TESTS_IN_ACTIVE_ENV else None,
+}
+
+
+@nox.session(**_ACTIVE)
+def amx(session: nox.Session) -> None:
+    """The tests session as an Intel Xeon with AMX would run it (see ``_as_cpu``)."""
+    _as_cpu(session, AMX_FLAGS)
+
+
+@nox.session(**_ACTIVE)
+def zen4(session: nox.Session) -> None:
+    """The tests session as an AMD EPYC Zen 4 (AVX512-BF16, no AMX) would run it."""
+    _as_cpu(session, ZEN4_FLAGS)
+
+
+@nox.session(**_ACTIVE)
+def avx2(session: nox.Session) -> None:
+    """The tests session as an AMD EPYC Zen 3 (AVX2 only: no AVX-512, no bf16 units)
+    would run it."""
+    _as_cpu(session, AVX2_FLAGS)
+
+
+#: The seeds ``nox -s shuffled`` runs the tier under when none are given.
+SHUFFLE_SEEDS = ("1", "2", "3")
+
+
+@nox.session(**_ACTIVE)
+def shuffled(session: nox.Session) -> None:
+    """The tests session in shuffled order (pytest-randomly), once per seed: ``nox -s
+    shuffled -- 7 8`` for seeds 7 and 8 (default 1, 2, 3). Every test must pass in any
+    order; a failure names its seed, and ``pytest -p randomly -p "randomly_seed=N"`` (or
+    ``--randomly-seed=N``) replays it."""
+    _install(session, "test")
+    for seed in session.posargs or SHUFFLE_SEEDS:
+        session.run(
+            "python", "-m", "pytest", "-q", "-p", "randomly", f"--randomly-seed={seed}",
+            "-m", "not slow", "-n", WORKERS,
+            env={"HF_HUB_OFFLINE": "1", "HYPOTHESIS_PROFILE": "ci"},
+        )  # fmt: skip
 
 
 @nox.session(python=PYTHON)

@@ -45,6 +45,25 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     return f"knapspec: claimed CPU flags {flags!r} ($KNAPSPEC_CPU_FLAGS)" if flags else None
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line counting the tests skipped for a compiled unit this CPU (or the claimed
+    one) lacks (tests/units.py), by unit, so a run says what it could not check here."""
+    from units import NATIVE_SKIP
+
+    units: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        if NATIVE_SKIP in reason:
+            unit = reason.split(NATIVE_SKIP + ": ", 1)[-1].split(" (", 1)[0]
+            units[unit] = units.get(unit, 0) + 1
+    counts = ", ".join(f"{unit} {count}" for unit, count in sorted(units.items())) or "none"
+    terminalreporter.write_line(
+        f"knapspec: {sum(units.values())} tests skipped for units only a CPU with them runs "
+        f"natively ({counts})"
+    )
+
+
 @pytest.fixture(autouse=True)
 def _one_thread(request: pytest.FixtureRequest) -> None:
     # Tiny models run fastest on one thread (two threads contend on a 2-core CI machine).

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from knapspec.model import row_attention
 from knapspec.model.engine import SublayerEngine
+from knapspec.model.machine import AMX_TILE_FLAGS, AVX512_BF16_FLAGS, claimed_absent
 from knapspec.model.row_attention import (
     attend_rows,
     attend_rows_batched,
@@ -29,6 +30,7 @@ from knapspec.model.row_attention import (
 )
 from knapspec.testing.exactness import verification_mismatches
 from knapspec.testing.models import tiny_model
+from units import skip_unless_attention_unit
 
 PATHS = ("vector", "amx-tiles", "avx512-bf16")
 #: The path fixture only patches a module flag, the same for every example.
@@ -37,21 +39,20 @@ FIXTURE = [HealthCheck.function_scoped_fixture]
 
 def _tiles_here() -> bool:
     library = row_attention.load_library()
-    return library is not None and library.knapspec_attention_amx_available() == 1
+    native = library is not None and library.knapspec_attention_amx_available() == 1
+    return native and not claimed_absent(*AMX_TILE_FLAGS)
 
 
 def _dpbf16_here() -> bool:
     library = row_attention.load_library()
-    return library is not None and library.knapspec_attention_dpbf16_available() == 1
+    native = library is not None and library.knapspec_attention_dpbf16_available() == 1
+    return native and not claimed_absent(*AVX512_BF16_FLAGS)
 
 
 @pytest.fixture(params=PATHS)
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Force one path for the test (the process-wide decision is patched, then restored)."""
-    if request.param == "amx-tiles" and not _tiles_here():
-        pytest.skip("this CPU (or its OS) offers no AMX tiles")
-    if request.param == "avx512-bf16" and not _dpbf16_here():
-        pytest.skip("this CPU has no AVX512-BF16 (the kernel was built without VDPBF16PS)")
+    skip_unless_attention_unit(request.param)
     monkeypatch.setattr(row_attention, "_bf16_unit", request.param)
     assert attention_path(torch.bfloat16, 64) == request.param
     yield request.param

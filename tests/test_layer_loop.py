@@ -42,6 +42,7 @@ from pass_pairs import (
     batched_both_ways,
     sequence_both_ways,
 )
+from units import needs_packed_products
 
 
 def _packed_kernel() -> str | None:
@@ -56,11 +57,7 @@ needs_compiler = pytest.mark.skipif(
     layer_loop.LIBRARY.load() is None or row_linear.LIBRARY.load() is None,
     reason="no C compiler: the loop and the compiled products do not run here",
 )
-needs_packed = pytest.mark.skipif(
-    _packed_kernel() is None,
-    reason="the bfloat16 loop calls the packed products: this CPU has neither AVX512-BF16 "
-    "nor AMX tiles",
-)
+needs_packed = needs_packed_products
 DTYPES = [
     pytest.param(torch.bfloat16, marks=needs_packed, id="bf16"),
     pytest.param(torch.float32, id="fp32"),

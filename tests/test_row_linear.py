@@ -30,17 +30,14 @@ from knapspec.model.row_linear import (
 )
 from knapspec.testing.exactness import RowCountingKernel, verification_mismatches
 from knapspec.testing.models import tiny_model
+from units import needs_amx_tiles, needs_avx512_bf16
 
 DTYPES = (torch.float32, torch.bfloat16)
 #: Worst relative error against a float64 product (bf16 output rounding dominates).
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
-needs_amx = pytest.mark.skipif(
-    not amx_available(), reason="no AMX tiles here (lscpu: amx_bf16), or the OS refuses them"
-)
-needs_packed = pytest.mark.skipif(
-    not packed_available(), reason="no AVX512-BF16 here (lscpu: avx512_bf16)"
-)
+needs_amx = needs_amx_tiles
+needs_packed = needs_avx512_bf16
 #: (kernel, dtype) pairs to test: the AVX kernel in both dtypes, the AMX and packed ones
 #: in bf16 (where the CPU has their units).
 CASES = [

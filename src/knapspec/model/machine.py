@@ -66,6 +66,31 @@ def host_cpu_flags() -> tuple[str, ...]:
     return _reported_cpu_flags()
 
 
+def claimed_absent(*flags: str) -> bool:
+    """Whether ``$KNAPSPEC_CPU_FLAGS`` claims a CPU that lacks one of ``flags``. A claim
+    takes units away from this CPU, so that its kernel choices run as that CPU's would; it
+    never adds any (a kernel for units the host lacks cannot run here)."""
+    claimed = os.environ.get(CPU_FLAGS_ENV)
+    if claimed is None:
+        return False
+    return not set(flags) <= set(claimed.replace(",", " ").split())
+
+
+#: The flags each compiled unit needs, as ``lscpu`` names them.
+AMX_TILE_FLAGS = ("amx_tile", "amx_bf16")
+AVX512_BF16_FLAGS = ("avx512_bf16",)
+
+#: The vector and matrix flags of the CPU classes knapspec is measured on, to claim with
+#: ``$KNAPSPEC_CPU_FLAGS`` (``nox -s amx``, ``zen4``, ``avx2``; the noxfile keeps a copy).
+CPU_CLASSES: dict[str, str] = {
+    "xeon-amx": (
+        "avx2 fma avx512f avx512bw avx512vl avx512_bf16 avx512_vnni amx_tile amx_bf16 amx_int8"
+    ),
+    "zen4": "avx2 fma avx512f avx512bw avx512vl avx512_bf16 avx512_vnni",
+    "zen3-avx2": "avx avx2 fma f16c",
+}
+
+
 def notable_cpu_flags() -> tuple[str, ...]:
     """The vector-instruction flags among :func:`host_cpu_flags` (AVX2, AVX-512, AMX...)."""
     flags = set(host_cpu_flags())
@@ -104,8 +129,12 @@ def machine_description() -> dict[str, object]:
 
 
 __all__ = [
+    "AMX_TILE_FLAGS",
+    "AVX512_BF16_FLAGS",
+    "CPU_CLASSES",
     "CPU_FLAGS_ENV",
     "blas_description",
+    "claimed_absent",
     "cpu_flags_digest",
     "host_cpu_flags",
     "host_cpu_model",

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from knapspec.model.compiled import CompiledLibrary
+from knapspec.model.machine import AMX_TILE_FLAGS, AVX512_BF16_FLAGS, claimed_absent
 
 logger = logging.getLogger(__name__)
 
@@ -104,12 +105,22 @@ _bf16_unit: str | None = None
 
 
 def available_bf16_units() -> list[str]:
-    """The paths bf16 attention can run on here, fastest first (``vector`` always)."""
+    """The paths bf16 attention can run on here, fastest first (``vector`` always); a
+    claim of a CPU without a path's units (:func:`~knapspec.model.machine.claimed_absent`)
+    rules it out."""
     library = load_library()
     units = []
-    if library is not None and library.knapspec_attention_amx_available() == 1:
+    if (
+        library is not None
+        and library.knapspec_attention_amx_available() == 1
+        and not claimed_absent(*AMX_TILE_FLAGS)
+    ):
         units.append("amx-tiles")
-    if library is not None and library.knapspec_attention_dpbf16_available() == 1:
+    if (
+        library is not None
+        and library.knapspec_attention_dpbf16_available() == 1
+        and not claimed_absent(*AVX512_BF16_FLAGS)
+    ):
         units.append("avx512-bf16")
     return [*units, "vector"]
 

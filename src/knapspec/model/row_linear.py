@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from knapspec.model.compiled import CompiledLibrary
+from knapspec.model.machine import AMX_TILE_FLAGS, AVX512_BF16_FLAGS, claimed_absent
 
 logger = logging.getLogger(__name__)
 
@@ -222,8 +223,9 @@ _amx_packed: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
 
 def amx_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the AMX-tile kernel runs here: a bfloat16 model, a build for a CPU with AMX,
-    and the OS's permission to use the tiles."""
-    if dtype != torch.bfloat16:
+    the OS's permission to use the tiles, and no claim of a CPU without them
+    (:func:`~knapspec.model.machine.claimed_absent`)."""
+    if dtype != torch.bfloat16 or claimed_absent(*AMX_TILE_FLAGS):
         return False
     library = LIBRARY.load()
     return library is not None and bool(library.knapspec_amx_available())
@@ -253,14 +255,19 @@ def release_amx_packed() -> None:
 
 
 def packed_available(dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether the packed-weight kernel runs here: a bfloat16 model and a build for a CPU
-    with AVX512-BF16 (VDPBF16PS)."""
+    """Whether the packed-weight kernel runs here: a bfloat16 model, a build for a CPU
+    with AVX512-BF16 (VDPBF16PS), and no claim of a CPU without it
+    (:func:`~knapspec.model.machine.claimed_absent`)."""
     if dtype != torch.bfloat16:
         return False
     global _packed_here
     if _packed_here is None:  # asked before every product: the answer cannot change
         library = LIBRARY.load()
-        _packed_here = library is not None and bool(library.knapspec_packed_available())
+        _packed_here = (
+            library is not None
+            and bool(library.knapspec_packed_available())
+            and not claimed_absent(*AVX512_BF16_FLAGS)
+        )
     return _packed_here
 
 
