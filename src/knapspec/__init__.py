@@ -57,7 +57,6 @@ if TYPE_CHECKING:
     )
     from knapspec.decoding.decoder import GenerationResult, SpeculativeDecoder
     from knapspec.decoding.stats import GenerationStats, PlanRecord
-    from knapspec.decoding.verify import NonFiniteLogitsError
     from knapspec.drafters import (
         DRAFTERS,
         BatchDraftRequest,
@@ -68,6 +67,7 @@ if TYPE_CHECKING:
         LookupDrafter,
         SubnetworkDrafter,
     )
+    from knapspec.errors import NonFiniteLogitsError
     from knapspec.model import ContextLengthError, KVCache, SublayerEngine, UnsupportedModelError
     from knapspec.model.provision import ProvisioningError, load_model_and_tokenizer
     from knapspec.planners import (
@@ -141,7 +141,7 @@ _EXPORTS = {
     "LatencyObservation": "knapspec.costmodels",
     "LatencyProfile": "knapspec.costmodels",
     "MonteCarloAcceptanceProxy": "knapspec.proxies",
-    "NonFiniteLogitsError": "knapspec.decoding.verify",
+    "NonFiniteLogitsError": "knapspec.errors",
     "OnlineCalibratedCostModel": "knapspec.costmodels",
     "PLANNERS": "knapspec.planners",
     "PROXIES": "knapspec.proxies",

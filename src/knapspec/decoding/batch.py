@@ -52,8 +52,8 @@ from knapspec.decoding.batch_policy import BatchDraftPolicy, BatchSubnetwork, Ro
 from knapspec.decoding.run import PREFILL_WINDOW_TOKENS
 from knapspec.decoding.sampler import TokenSampler
 from knapspec.decoding.stats import GenerationStats
-from knapspec.decoding.verify import NonFiniteLogitsError
 from knapspec.drafters.base import NO_DRAFT, BatchDraftRequest, Draft, Drafter, DraftRequest
+from knapspec.errors import NonFiniteLogitsError
 from knapspec.model.batched import forward_batch, new_batch_cache
 from knapspec.sampling import SamplingParams
 from knapspec.validators import check_finite

@@ -27,7 +27,7 @@ import numpy as np
 from knapspec.integrations.vllm_config import ENV_PREFIX, VllmProposerConfig, VllmProposerError
 from knapspec.model import cachefiles
 from knapspec.model.machine import cpu_flags_digest, host_cpu_model
-from knapspec.model.provision import cache_root
+from knapspec.paths import cache_root
 from knapspec.planners.objective import FloatArray
 
 _LOG = logging.getLogger("knapspec.vllm")
