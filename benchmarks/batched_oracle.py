@@ -50,14 +50,14 @@ from knapspec.bench.env import environment, kernel_record
 from knapspec.bench.prompts import chat_prompt
 from knapspec.bench.records import append_jsonl
 from knapspec.bench.specbench.questions import load_questions, packaged_questions
-from knapspec.decoding.batch_policy import (
-    BatchDraftPolicy,
-    FixedLookupBatchPolicy,
-)
 from knapspec.decoding.continuous import ContinuousBatch, RowRequest, RowUpdate
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.drafters import DraftRequest, LookupConfig, LookupDrafter
 from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.planners.batch.policy import (
+    BatchDraftPolicy,
+    FixedLookupBatchPolicy,
+)
 from knapspec.types import Draft
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

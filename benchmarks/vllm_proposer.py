@@ -53,13 +53,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from knapspec.integrations.vllm_server import (
+from knapspec.model.machine import machine_description
+
+if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.vllm_server import (
     ServerSpec,
     VllmServer,
     knapspec_speculative,
     ngram_speculative,
 )
-from knapspec.model.machine import machine_description
 
 ROOT = Path(__file__).resolve().parents[1]
 NOISE_NOTE = (

@@ -22,15 +22,6 @@ from tests.tiny_models import greedy_reference, tiny_model
 import knapspec.decoding.batch as batch_module
 import knapspec.decoding.sampler as sampler_module
 from knapspec.decoding.batch import BatchGenerationResult, BatchRun
-from knapspec.decoding.batch_policy import (
-    BatchPassCalibration,
-    CostModelBatchPolicy,
-    FixedLookupBatchPolicy,
-    PlainBatchPolicy,
-    batched_verify_cost,
-    packed_verify_cost,
-)
-from knapspec.decoding.batch_pricing import PLAIN_SAMPLES, RoundPrices, row_attention_cost
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.decoding.run import GenerationResult
 from knapspec.decoding.verify import Verdict
@@ -39,6 +30,15 @@ from knapspec.model.batch_cache import BatchKVCache
 from knapspec.model.batched import AttentionLayout, splits_attention
 from knapspec.model.engine import ContextLengthError
 from knapspec.planners import LookupPlanner
+from knapspec.planners.batch.policy import (
+    BatchPassCalibration,
+    CostModelBatchPolicy,
+    FixedLookupBatchPolicy,
+    PlainBatchPolicy,
+    batched_verify_cost,
+    packed_verify_cost,
+)
+from knapspec.planners.batch.pricing import PLAIN_SAMPLES, RoundPrices, row_attention_cost
 from knapspec.sampling import SamplingParams
 from knapspec.testing import VerifyCurveCostModel
 

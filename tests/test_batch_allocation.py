@@ -1,4 +1,4 @@
-"""The vectorised lookup allocation (:mod:`knapspec.decoding.batch_allocation`) against the
+"""The vectorised lookup allocation (:mod:`knapspec.planners.batch.allocation`) against the
 step-by-step loop it replaced, kept here as the oracle: for random batches, caps, cost
 curves and calibrations both return the same tokens per second, bitwise, and the same γ."""
 
@@ -11,7 +11,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knapspec.decoding.batch_allocation import (
+from knapspec.planners.batch.allocation import (
     ANCHOR_ROWS,
     FloatArray,
     best_lookup_allocation,
@@ -19,7 +19,7 @@ from knapspec.decoding.batch_allocation import (
     greedy_order,
     lookup_bound,
 )
-from knapspec.decoding.batch_pricing import BatchPassCalibration, RoundPrices
+from knapspec.planners.batch.pricing import BatchPassCalibration, RoundPrices
 from knapspec.planners.objective import chained_expected_tokens
 from knapspec.testing import VerifyCurveCostModel
 

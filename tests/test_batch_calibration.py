@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from knapspec.decoding.batch_plan import DraftRealism
-from knapspec.decoding.batch_policy import CostModelBatchPolicy
-from knapspec.decoding.batch_pricing import BatchPassCalibration, RoundPrices
 from knapspec.drafters.base import LOOKUP, Draft
+from knapspec.planners.batch.plan import DraftRealism
+from knapspec.planners.batch.policy import CostModelBatchPolicy
+from knapspec.planners.batch.pricing import BatchPassCalibration, RoundPrices
 from knapspec.testing import VerifyCurveCostModel
 
 

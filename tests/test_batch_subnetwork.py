@@ -23,7 +23,11 @@ from tests.test_sampling import (
 from tests.tiny_models import tiny_model
 
 from knapspec.decoding.batch import BatchRun
-from knapspec.decoding.batch_policy import (
+from knapspec.decoding.decoder import SpeculativeDecoder
+from knapspec.decoding.sampler import TokenSampler
+from knapspec.drafters.base import LOOKUP, SUBNETWORK, Draft
+from knapspec.planners import StaticPlanner
+from knapspec.planners.batch.policy import (
     BatchSubnetwork,
     CostModelBatchPolicy,
     FixedSubnetworkBatchPolicy,
@@ -32,10 +36,6 @@ from knapspec.decoding.batch_policy import (
     batched_draft_cost,
     packed_verify_cost,
 )
-from knapspec.decoding.decoder import SpeculativeDecoder
-from knapspec.decoding.sampler import TokenSampler
-from knapspec.drafters.base import LOOKUP, SUBNETWORK, Draft
-from knapspec.planners import StaticPlanner
 from knapspec.planners.objective import chained_expected_tokens
 from knapspec.sampling import SamplingParams
 from knapspec.testing import CheapDraftCostModel, VerifyCurveCostModel

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from knapspec.decoding.verify import NonFiniteLogitsError
+from knapspec.errors import NonFiniteLogitsError
 from knapspec.validators import check_finite
 
 

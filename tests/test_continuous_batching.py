@@ -24,9 +24,9 @@ from tests.test_sampling import _chi_square_pvalue, _exact_joint, _small_vocab_m
 from tests.tiny_models import greedy_reference, tiny_model
 
 from knapspec.decoding.batch import BatchRun
-from knapspec.decoding.batch_policy import FixedLookupBatchPolicy, PlainBatchPolicy
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.planners import LookupPlanner
+from knapspec.planners.batch.policy import FixedLookupBatchPolicy, PlainBatchPolicy
 from knapspec.sampling import SamplingParams
 
 

@@ -10,7 +10,7 @@ from tests.tiny_models import FAMILIES, greedy_reference, tiny_model
 from transformers.generation.streamers import BaseStreamer
 
 from knapspec.decoding.decoder import SpeculativeDecoder
-from knapspec.decoding.verify import NonFiniteLogitsError
+from knapspec.errors import NonFiniteLogitsError
 from knapspec.model import ContextLengthError, SublayerEngine
 from knapspec.planners import (
     PLANNERS,

@@ -20,9 +20,9 @@ import torch
 
 from knapspec import SpeculativeDecoder
 from knapspec.config import DecoderConfig, build_components
-from knapspec.decoding.batch_policy import FixedLookupBatchPolicy
 from knapspec.drafters import DRAFTERS, Draft, Drafter, DraftRequest
 from knapspec.model.engine import SublayerEngine
+from knapspec.planners.batch.policy import FixedLookupBatchPolicy
 from knapspec.proxies.base import PROXIES
 from knapspec.testing import CheapDraftCostModel, tiny_llama
 from knapspec.validators import at_least

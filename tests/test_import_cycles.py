@@ -1,4 +1,4 @@
-"""No import cycle inside ``src/knapspec``.
+"""No import cycle inside ``src/knapspec``, and no import that runs up the layer order.
 
 Every module's source is parsed and each import becomes an edge to the most specific
 knapspec module it names (``from knapspec.a import b`` -> ``knapspec.a.b`` when that is a
@@ -8,6 +8,11 @@ TYPE_CHECKING:`` (it never runs, but the two modules still know each other: a ty
 both need belongs in a module below them), as do ``importlib.import_module("knapspec...")``
 calls with a literal name. A cycle is a strongly connected component of more than one
 module.
+
+The layers (:data:`LAYERS`, bottom first) are declared here, for every top-level module
+and package of ``knapspec``: a module may import from its own top-level package or from a
+lower layer, never from a higher one or a sibling of its own layer. A new top-level
+module fails :func:`test_every_top_level_module_has_a_layer` until it is placed.
 """
 
 from __future__ import annotations
@@ -18,6 +23,31 @@ from pathlib import Path
 import knapspec
 
 PACKAGE_ROOT = Path(knapspec.__file__).resolve().parent
+
+#: The declared layer order of ``knapspec``'s top-level modules and packages, bottom
+#: first. Data flows up: engine -> cost model, proxy -> drafters -> planner -> decoder ->
+#: the faces over it (package API, integrations, server, measurement, the command).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    # Base records and helpers, standard library / torch / attrs only.
+    ("errors", "paths", "types", "scores", "window", "gumbel", "registry"),
+    ("validators", "sampling"),
+    ("model",),  # the sublayer engine, its kernels and model loading
+    ("components",),
+    ("costmodels",),
+    ("proxies",),
+    ("drafters",),
+    ("planners",),  # per-request and batch (planners.batch) search
+    ("config",),  # builds components by name: above everything it builds
+    ("decoding",),
+    ("introspection",),
+    ("integrations",),  # Hugging Face generate, the vLLM proposer
+    ("testing",),  # tiny models and doubles the test suite and docs share
+    ("knapspec",),  # the package's public names (knapspec/__init__.py)
+    ("commandline",),  # what the command and the bench harness's parsers share
+    ("serve",),
+    ("bench",),  # the measurement wing (the bench extra)
+    ("cli",),  # the command: runs generate, serve and bench
+)
 
 
 def _module_files() -> dict[str, Path]:
@@ -141,3 +171,52 @@ def test_every_module_is_walked() -> None:
 def test_no_import_cycle_in_the_package() -> None:
     found = cycles(import_graph())
     assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def _top(module: str) -> str:
+    """``knapspec.decoding.run`` -> ``decoding``; the package itself -> ``knapspec``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def upward_imports(graph: dict[str, set[str]], layers: tuple[tuple[str, ...], ...]) -> list[str]:
+    """``importer -> imported`` for every edge whose target's layer is not below the
+    importer's (other than within one top-level package)."""
+    rank = {name: index for index, layer in enumerate(layers) for name in layer}
+    found = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            here, there = _top(module), _top(target)
+            if here != there and rank[there] >= rank[here]:
+                found.append(f"{module} -> {target}")
+    return found
+
+
+def test_the_layer_check_finds_an_upward_and_a_sideways_import() -> None:
+    layers = (("a",), ("b", "c"), ("d",))
+    graph = {
+        "knapspec.d.x": {"knapspec.b.y", "knapspec.a"},
+        "knapspec.b.y": {"knapspec.d.x", "knapspec.c.z", "knapspec.b.w"},
+        "knapspec.c.z": set(),
+        "knapspec.b.w": set(),
+        "knapspec.a": set(),
+    }
+    assert upward_imports(graph, layers) == [
+        "knapspec.b.y -> knapspec.c.z",
+        "knapspec.b.y -> knapspec.d.x",
+    ]
+
+
+def test_every_top_level_module_has_a_layer() -> None:
+    declared = [name for layer in LAYERS for name in layer]
+    assert len(declared) == len(set(declared)), "a module is declared on two layers"
+    present = {_top(module) for module in import_graph()}
+    assert present == set(declared), (
+        f"undeclared: {sorted(present - set(declared))}; "
+        f"declared but gone: {sorted(set(declared) - present)}"
+    )
+
+
+def test_no_import_runs_up_the_layers() -> None:
+    found = upward_imports(import_graph(), LAYERS)
+    assert not found, "imports that run up (or sideways) the layer order: " + "; ".join(found)

@@ -240,7 +240,7 @@ def test_a_second_call_on_the_same_prompt_drafts_the_first_answer_losslessly() -
 def test_a_batch_row_drafts_from_another_rows_output_losslessly() -> None:
     """Row 1's prompt is row 0's prompt plus the first 10 tokens of its answer, so row 1
     writes ahead what row 0 writes next: with history on, row 0 drafts it from row 1."""
-    from knapspec.decoding.batch_policy import FixedLookupBatchPolicy
+    from knapspec.planners.batch.policy import FixedLookupBatchPolicy
 
     model = tiny_model("llama", 3)
     reference = greedy_reference(model, PROMPT, 40)

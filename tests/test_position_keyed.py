@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 
 from knapspec import SpeculativeDecoder
 from knapspec.config import load_builtin_components
-from knapspec.decoding.batch_policy import FixedLookupBatchPolicy, FixedSubnetworkBatchPolicy
 from knapspec.drafters.base import LOOKUP, SUBNETWORK
 from knapspec.planners import StaticPlanner
 from knapspec.planners.base import PLANNERS, Planner, PlanningContext
+from knapspec.planners.batch.policy import FixedLookupBatchPolicy, FixedSubnetworkBatchPolicy
 from knapspec.sampling import SamplingParams
 from knapspec.testing import tiny_llama
 from knapspec.types import DraftPlan, SublayerMask

@@ -19,7 +19,7 @@ from knapspec.model.prefill_kernels import (
     switch_rows,
     time_prefills,
 )
-from knapspec.model.provision import cache_root
+from knapspec.paths import cache_root
 from knapspec.testing.models import tiny_model
 
 MEASURED, INVARIANT = CANDIDATES

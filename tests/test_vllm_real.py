@@ -28,13 +28,14 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (nox -s vllm installs it)")
 openai = pytest.importorskip("openai", reason="the openai client is not installed")
 
-from knapspec.integrations.vllm import KnapspecProposer  # noqa: E402
-from knapspec.integrations.vllm_server import (  # noqa: E402
+from benchmarks.vllm_server import (  # noqa: E402
     ServerSpec,
     VllmServer,
     knapspec_speculative,
     ngram_speculative,
 )
+
+from knapspec.integrations.vllm import KnapspecProposer  # noqa: E402
 
 #: Greedy tokens per answer in the serve tests (short: the suite must stay bounded).
 MAX_TOKENS = 64

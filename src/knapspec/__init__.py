@@ -40,15 +40,6 @@ if TYPE_CHECKING:
         profile_engine,
     )
     from knapspec.decoding.batch import BatchGenerationResult
-    from knapspec.decoding.batch_policy import (
-        BatchDraftPolicy,
-        BatchSubnetwork,
-        CostModelBatchPolicy,
-        FixedLookupBatchPolicy,
-        FixedSubnetworkBatchPolicy,
-        PlainBatchPolicy,
-        RoundPlan,
-    )
     from knapspec.decoding.conversation import (
         Conversation,
         ConversationBusyError,
@@ -57,7 +48,6 @@ if TYPE_CHECKING:
     )
     from knapspec.decoding.decoder import GenerationResult, SpeculativeDecoder
     from knapspec.decoding.stats import GenerationStats, PlanRecord
-    from knapspec.decoding.verify import NonFiniteLogitsError
     from knapspec.drafters import (
         DRAFTERS,
         BatchDraftRequest,
@@ -68,6 +58,7 @@ if TYPE_CHECKING:
         LookupDrafter,
         SubnetworkDrafter,
     )
+    from knapspec.errors import NonFiniteLogitsError
     from knapspec.model import ContextLengthError, KVCache, SublayerEngine, UnsupportedModelError
     from knapspec.model.provision import ProvisioningError, load_model_and_tokenizer
     from knapspec.planners import (
@@ -82,6 +73,15 @@ if TYPE_CHECKING:
         Planner,
         PlanningContext,
         StaticPlanner,
+    )
+    from knapspec.planners.batch.policy import (
+        BatchDraftPolicy,
+        BatchSubnetwork,
+        CostModelBatchPolicy,
+        FixedLookupBatchPolicy,
+        FixedSubnetworkBatchPolicy,
+        PlainBatchPolicy,
+        RoundPlan,
     )
     from knapspec.proxies import (
         PROXIES,
@@ -128,20 +128,20 @@ _EXPORTS = {
     "FittedLinearCostModel": "knapspec.costmodels",
     "GenerationResult": "knapspec.decoding.decoder",
     "BatchGenerationResult": "knapspec.decoding.batch",
-    "BatchDraftPolicy": "knapspec.decoding.batch_policy",
-    "CostModelBatchPolicy": "knapspec.decoding.batch_policy",
-    "FixedLookupBatchPolicy": "knapspec.decoding.batch_policy",
-    "FixedSubnetworkBatchPolicy": "knapspec.decoding.batch_policy",
-    "BatchSubnetwork": "knapspec.decoding.batch_policy",
-    "RoundPlan": "knapspec.decoding.batch_policy",
-    "PlainBatchPolicy": "knapspec.decoding.batch_policy",
+    "BatchDraftPolicy": "knapspec.planners.batch.policy",
+    "CostModelBatchPolicy": "knapspec.planners.batch.policy",
+    "FixedLookupBatchPolicy": "knapspec.planners.batch.policy",
+    "FixedSubnetworkBatchPolicy": "knapspec.planners.batch.policy",
+    "BatchSubnetwork": "knapspec.planners.batch.policy",
+    "RoundPlan": "knapspec.planners.batch.policy",
+    "PlainBatchPolicy": "knapspec.planners.batch.policy",
     "GenerationStats": "knapspec.decoding.stats",
     "KVCache": "knapspec.model",
     "KnapsackPlanner": "knapspec.planners",
     "LatencyObservation": "knapspec.costmodels",
     "LatencyProfile": "knapspec.costmodels",
     "MonteCarloAcceptanceProxy": "knapspec.proxies",
-    "NonFiniteLogitsError": "knapspec.decoding.verify",
+    "NonFiniteLogitsError": "knapspec.errors",
     "OnlineCalibratedCostModel": "knapspec.costmodels",
     "PLANNERS": "knapspec.planners",
     "PROXIES": "knapspec.proxies",

@@ -25,7 +25,7 @@ from knapspec.bench.records import LosslessnessError
 from knapspec.bench.report import ReportError, RunData, write_docs, write_report
 from knapspec.bench.runner import BenchOptions, command_line, run_benchmark
 from knapspec.bench.scenarios import default_scenarios, select_scenarios
-from knapspec.cli.common import load_decoder_config, positive_int
+from knapspec.commandline import load_decoder_config, positive_int
 from knapspec.config import ConfigError, DecoderConfig
 
 PROG = "knapspec bench"

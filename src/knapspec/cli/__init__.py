@@ -15,7 +15,7 @@ The package: this module runs the command and turns errors into exit codes;
 :mod:`~knapspec.cli.parser` builds the parser; :mod:`~knapspec.cli.generate` (one prompt),
 :mod:`~knapspec.cli.batch` (``--prompts-file``), :mod:`~knapspec.cli.plan` (``plan``,
 ``profile``) and :mod:`~knapspec.cli.tune` (``tune``) do the work, reading their input
-through :mod:`~knapspec.cli.inputs`; :mod:`~knapspec.cli.common` holds what they and the
+through :mod:`~knapspec.cli.inputs`; :mod:`~knapspec.commandline` holds what they and the
 ``bench`` harness share.
 """
 
@@ -26,9 +26,9 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from knapspec.cli.common import PROG, RunError, UsageError
 from knapspec.cli.inputs import DEFAULT_CHAPTER, DEFAULT_INSTRUCTION, default_prompt
 from knapspec.cli.parser import build_parser
+from knapspec.commandline import PROG, RunError, UsageError
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from knapspec.cli.common import UsageError
 from knapspec.cli.inputs import encode_prompt, import_decoder, load_model
+from knapspec.commandline import UsageError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -18,8 +18,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from knapspec.cli.common import UsageError, load_decoder_config
 from knapspec.cli.inputs import import_decoder, load_model
+from knapspec.commandline import UsageError, load_decoder_config
 
 PROMPT = "you> "
 HELP = "commands: /reset (start over), /stats (totals), /help, /exit (or Ctrl-D)"

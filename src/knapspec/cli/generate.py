@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from knapspec.cli.batch import generate_prompts_file
-from knapspec.cli.common import UsageError, load_decoder_config
 from knapspec.cli.inputs import (
     DEFAULT_CHAPTER,
     encode_prompt,
@@ -24,6 +23,7 @@ from knapspec.cli.inputs import (
     load_model,
     read_prompt,
 )
+from knapspec.commandline import UsageError, load_decoder_config
 
 if TYPE_CHECKING:
     import torch

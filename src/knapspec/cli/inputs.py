@@ -1,7 +1,7 @@
 """What ``generate`` and ``plan`` read: the prompt, the model and tokenizer, the decoder class.
 
-Each failure the user can act on becomes a :class:`~knapspec.cli.common.UsageError` (bad
-input) or a :class:`~knapspec.cli.common.RunError` (the model would not load). Torch,
+Each failure the user can act on becomes a :class:`~knapspec.commandline.UsageError` (bad
+input) or a :class:`~knapspec.commandline.RunError` (the model would not load). Torch,
 transformers and the library are imported inside the functions (see :mod:`knapspec.cli`).
 """
 
@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from knapspec.cli.common import RunError, UsageError
+from knapspec.commandline import RunError, UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -54,46 +52,18 @@ def read_prompt(args: argparse.Namespace) -> str:
 def load_model(
     name_or_path: str, dtype: str = "float32"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """``--model``: the default model (provisioned on first use) or a local directory, in
-    ``dtype`` (``--dtype``: ``float32``, ``bfloat16`` or ``auto``, resolved by
-    :func:`knapspec.model.dtypes.choose_dtype`; the choice and its reason go to stderr)."""
-    import torch
+    """``--model`` and ``--dtype``: :func:`knapspec.model.loading.load_model` (which the
+    server calls too), its errors turned into the command's two kinds."""
+    from knapspec.model.loading import ModelLoadError, ModelPathError
+    from knapspec.model.loading import load_model as load
+    from knapspec.model.provision import ProvisioningError
 
-    from knapspec.model.dtypes import DTYPES, choose_dtype
-    from knapspec.model.provision import (
-        DEFAULT_ALIASES,
-        ProvisioningError,
-        load_model_and_tokenizer,
-    )
-
-    if name_or_path.strip().lower() not in DEFAULT_ALIASES:
-        if not Path(name_or_path).is_dir():
-            raise UsageError(
-                f"--model {name_or_path!r}: no such directory; give 'default' or the path of "
-                "a local transformers model directory"
-            )
-        if not (Path(name_or_path) / "config.json").is_file():
-            raise UsageError(
-                f"--model {name_or_path!r}: not a transformers model directory (it has no "
-                "config.json); give 'default' or a directory written by save_pretrained"
-            )
     try:
-        # auto loads float32 and measures a bfloat16 copy only on CPUs with bf16 units.
-        model, tokenizer = load_model_and_tokenizer(
-            name_or_path, dtype=DTYPES.get(dtype, torch.float32), progress=True
-        )
-        if dtype == "auto":
-            choice = choose_dtype("auto", model)
-            if choice.dtype != torch.float32:
-                torch.nn.Module.to(model, choice.dtype)  # in place, parameters and buffers
-            print(f"knapspec: dtype {choice.name} ({choice.reason})", file=sys.stderr)
-        return model, tokenizer
-    except ProvisioningError as error:
+        return load(name_or_path, dtype)
+    except ModelPathError as error:
+        raise UsageError(f"--model {error}") from None
+    except (ProvisioningError, ModelLoadError) as error:
         raise RunError(str(error)) from error
-    # A directory without loadable weights / tokenizer, or a config transformers rejects.
-    except (OSError, ValueError, KeyError) as error:
-        reason = " ".join(str(error).split())
-        raise RunError(f"cannot load model from {name_or_path!r}: {reason}") from error
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool | None) -> torch.Tensor:

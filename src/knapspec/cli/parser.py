@@ -1,23 +1,23 @@
 """The argument parser of the ``knapspec`` command: its subcommands and their options.
 
 Each subcommand's handler lives with its work (:mod:`knapspec.cli.generate`,
-:mod:`knapspec.cli.plan`); ``bench`` only forwards its arguments to the harness
-(:mod:`knapspec.bench.cli`), which parses them itself. Like the rest of
+:mod:`knapspec.cli.plan`); ``bench``'s (:mod:`knapspec.cli.bench`) only forwards its
+arguments to the harness (:mod:`knapspec.bench.cli`), which parses them itself. Like the rest of
 :mod:`knapspec.cli`, this module imports only the standard library at the top.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
 from pathlib import Path
 
+from knapspec.cli.bench import run_bench
 from knapspec.cli.chat import run_chat
-from knapspec.cli.common import PROG, load_decoder_config, positive_int
 from knapspec.cli.generate import run_generate
 from knapspec.cli.plan import run_plan, run_profile
 from knapspec.cli.serve import run_serve
 from knapspec.cli.tune import run_tune
+from knapspec.commandline import PROG, positive_int
 
 
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     _add_config_options(bench)
-    bench.set_defaults(handler=_run_bench)
+    bench.set_defaults(handler=run_bench)
     return parser
 
 
@@ -319,16 +319,6 @@ def _add_serve_options(serve: argparse.ArgumentParser) -> None:
     )
     _add_config_options(serve)
     serve.set_defaults(handler=run_serve)
-
-
-def _run_bench(args: argparse.Namespace, extra: Sequence[str]) -> int:
-    # Validate --config/--set here so that config errors look the same in every command;
-    # the harness receives the original arguments and parses them itself.
-    if args.config is not None or args.overrides:
-        load_decoder_config(args.config, args.overrides)
-    from knapspec.bench.cli import cli_main  # the harness imports torch & co.: load on use
-
-    return int(cli_main(list(args.bench_argv)) or 0)
 
 
 __all__ = ["build_parser"]

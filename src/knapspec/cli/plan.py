@@ -14,8 +14,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from knapspec.cli.common import RunError, UsageError, load_decoder_config
 from knapspec.cli.inputs import encode_prompt, load_model, read_prompt
+from knapspec.commandline import RunError, UsageError, load_decoder_config
 
 
 def run_plan(args: argparse.Namespace, extra: Sequence[str]) -> int:

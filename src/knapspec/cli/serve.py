@@ -12,7 +12,7 @@ import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 
-from knapspec.cli.common import RunError, UsageError, load_decoder_config
+from knapspec.commandline import RunError, UsageError, load_decoder_config
 
 #: What the ``serve`` extra installs (module names).
 SERVE_MODULES = ("fastapi", "uvicorn", "sse_starlette", "prometheus_client")

@@ -17,8 +17,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from knapspec.cli.common import load_decoder_config
 from knapspec.cli.inputs import load_model
+from knapspec.commandline import load_decoder_config
 
 
 def run_tune(args: argparse.Namespace, extra: Sequence[str]) -> int:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from knapspec.costmodels.profile import LatencyProfile, ProfileError, ProfileKey
 from knapspec.costmodels.profiler import profile_engine
 from knapspec.model import cachefiles
-from knapspec.model.provision import cache_root
+from knapspec.paths import cache_root
 
 if TYPE_CHECKING:
     from knapspec.model.engine import SublayerEngine

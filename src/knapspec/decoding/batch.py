@@ -48,13 +48,13 @@ import attrs
 import torch
 
 from knapspec.decoding.arguments import batch_prompts
-from knapspec.decoding.batch_policy import BatchDraftPolicy, BatchSubnetwork, RoundPlan
 from knapspec.decoding.run import PREFILL_WINDOW_TOKENS
 from knapspec.decoding.sampler import TokenSampler
 from knapspec.decoding.stats import GenerationStats
-from knapspec.decoding.verify import NonFiniteLogitsError
 from knapspec.drafters.base import NO_DRAFT, BatchDraftRequest, Draft, Drafter, DraftRequest
+from knapspec.errors import NonFiniteLogitsError
 from knapspec.model.batched import forward_batch, new_batch_cache
+from knapspec.planners.batch.policy import BatchDraftPolicy, BatchSubnetwork, RoundPlan
 from knapspec.sampling import SamplingParams
 from knapspec.validators import check_finite
 

@@ -40,11 +40,11 @@ from knapspec.validators import all_finite
 
 if TYPE_CHECKING:
     from knapspec.decoding.batch import SubnetworkPlanner
-    from knapspec.decoding.batch_policy import BatchDraftPolicy
     from knapspec.decoding.prefix_cache import PrefixCache
     from knapspec.drafters.base import Drafter
     from knapspec.model.cache import KVCache
     from knapspec.model.engine import SublayerEngine
+    from knapspec.planners.batch.policy import BatchDraftPolicy
 
 #: ``stop_reason`` of a row whose owner cancelled it (a client that went away).
 CANCELLED = "cancelled"

@@ -48,14 +48,6 @@ from knapspec.decoding.batch import (
     BatchRun,
     SubnetworkPlanner,
 )
-from knapspec.decoding.batch_policy import (
-    BatchDraftPolicy,
-    BatchPassCalibration,
-    BatchSubnetwork,
-    CostModelBatchPolicy,
-    DraftRealism,
-    PlainBatchPolicy,
-)
 from knapspec.decoding.continuous import ContinuousBatch
 from knapspec.decoding.conversation import Conversation
 from knapspec.decoding.prefix_cache import PrefixCache
@@ -64,6 +56,14 @@ from knapspec.decoding.run_builder import decoder_run
 from knapspec.drafters.base import Drafter
 from knapspec.model.engine import ContextLengthError, SublayerEngine
 from knapspec.planners.base import Planner, PlanningContext
+from knapspec.planners.batch.policy import (
+    BatchDraftPolicy,
+    BatchPassCalibration,
+    BatchSubnetwork,
+    CostModelBatchPolicy,
+    DraftRealism,
+    PlainBatchPolicy,
+)
 from knapspec.proxies.base import ValueProxy
 from knapspec.sampling import SamplingParams
 from knapspec.window import WindowBuffer
@@ -358,7 +358,7 @@ class SpeculativeDecoder:
                 fresh seed per row from torch's global RNG when no seed is set). A row
                 gives the tokens its prompt gives alone with ``sampling.seed`` = its seed.
             policy: each row's draft length and drafter per round (default: the batch
-                TPT search :class:`~knapspec.decoding.batch_policy.CostModelBatchPolicy`
+                TPT search :class:`~knapspec.planners.batch.policy.CostModelBatchPolicy`
                 when a cost model exists, over lookup drafts if the planner prices them
                 and its sub-network if it chose one; else plain batched decoding).
             max_batch_rows: rows decoded at once (None: every prompt). With fewer, the

@@ -20,8 +20,8 @@ from knapspec.decoding.greedy import greedy_ids
 from knapspec.decoding.sampler import TokenSampler
 from knapspec.decoding.stats import GenerationStats, PlanRecord
 from knapspec.decoding.tree_round import TreeRoundParts, verify_tree_round
-from knapspec.decoding.verify import NonFiniteLogitsError
 from knapspec.drafters.base import NO_DRAFT, Draft, Drafter, DraftRequest, DraftTarget, Verification
+from knapspec.errors import NonFiniteLogitsError
 from knapspec.planners.base import Planner, PlanningContext
 from knapspec.sampling import SamplingParams
 from knapspec.types import DraftPlan, StepOutcome, SublayerMask

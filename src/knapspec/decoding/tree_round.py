@@ -16,7 +16,7 @@ import torch
 
 from knapspec.costmodels.base import LatencyObservation
 from knapspec.decoding.greedy import greedy_ids
-from knapspec.decoding.verify import NonFiniteLogitsError
+from knapspec.errors import NonFiniteLogitsError
 from knapspec.types import DraftTree, Verification
 from knapspec.validators import check_finite
 

@@ -6,21 +6,10 @@ import attrs
 import torch
 
 from knapspec.decoding.greedy import greedy_tokens
+
+# Its first home: the old import path keeps working.
+from knapspec.errors import NonFiniteLogitsError as NonFiniteLogitsError
 from knapspec.sampling import sample_token
-
-
-class NonFiniteLogitsError(FloatingPointError):
-    """The model produced NaN or infinite logits; no token was committed.
-
-    Raised through :func:`knapspec.validators.check_finite` with ``error=during``."""
-
-    @classmethod
-    def during(cls, where: str) -> NonFiniteLogitsError:
-        """The error for non-finite logits in pass ``where`` (``"prefill"``, ...)."""
-        return cls(
-            f"the model produced NaN/inf logits during {where}; check the weights and dtype "
-            f"(fp16 overflow is a common cause). Nothing was committed for this step."
-        )
 
 
 @attrs.frozen

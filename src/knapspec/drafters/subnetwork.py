@@ -6,7 +6,6 @@ import attrs
 import torch
 
 from knapspec.costmodels.base import LatencyObservation
-from knapspec.decoding.verify import NonFiniteLogitsError
 from knapspec.drafters.base import (
     DRAFTERS,
     SUBNETWORK,
@@ -16,6 +15,7 @@ from knapspec.drafters.base import (
     DraftRequest,
     TokenChooser,
 )
+from knapspec.errors import NonFiniteLogitsError
 from knapspec.model.batched import forward_batch
 from knapspec.validators import check_finite
 

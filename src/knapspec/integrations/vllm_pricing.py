@@ -27,7 +27,8 @@ import numpy as np
 from knapspec.integrations.vllm_config import ENV_PREFIX, VllmProposerConfig, VllmProposerError
 from knapspec.model import cachefiles
 from knapspec.model.machine import cpu_flags_digest, host_cpu_model
-from knapspec.model.provision import cache_root
+from knapspec.paths import cache_root
+from knapspec.planners.batch.allocation import order_increments
 from knapspec.planners.objective import FloatArray
 
 _LOG = logging.getLogger("knapspec.vllm")
@@ -232,22 +233,18 @@ def price_batch(
     rows = len(reaches)
     if rows == 0:
         return [], 0.0, 0.0
-    # Every drafted token: (its reach, row, position). Within a row reaches fall, so the
-    # m most likely tokens are prefixes of the rows (ties keep the earlier position).
-    tokens = [
-        (float(reach[j]), row, j)
-        for row, reach in enumerate(reaches)
-        for j in range(len(reach))
-        if reach[j] > 0.0
-    ]
-    tokens.sort(key=lambda item: (-item[0], item[1], item[2]))
-    gain = rows + np.concatenate(([0.0], np.cumsum([t[0] for t in tokens])))
-    cost = curve.predict([rows + m for m in range(len(tokens) + 1)])
+    # Every drafted token, largest reach first (ties: row, then position). Within a row
+    # reaches fall, so the m most likely tokens are prefixes of the rows: the batch
+    # search's greedy order over the rows' increments, which are the reaches themselves.
+    increments = [np.asarray([r for r in map(float, reach) if r > 0.0]) for reach in reaches]
+    values, owners, _ = order_increments(increments)
+    gain = rows + np.concatenate(([0.0], np.cumsum(values)))
+    cost = curve.predict([rows + m for m in range(len(values) + 1)])
     tpt = gain / cost
     best = int(np.argmax(tpt))  # ties: fewer drafts
     gammas = [0] * rows
-    for _, row, _ in tokens[:best]:
-        gammas[row] += 1
+    for row in owners[:best]:
+        gammas[int(row)] += 1
     return gammas, float(tpt[best]), float(tpt[0])
 
 

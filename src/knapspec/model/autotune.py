@@ -78,7 +78,7 @@ from knapspec.model.onednn import (
     physical_memory_bytes,
     release_packed,
 )
-from knapspec.model.provision import cache_root
+from knapspec.paths import cache_root
 
 if TYPE_CHECKING:
     from knapspec.model.tunable import TunableEngine

@@ -2,7 +2,7 @@
 
 Kernel tables (:mod:`knapspec.model.autotune`) and latency profiles
 (:mod:`knapspec.costmodels.store`) are measurements cached under
-:func:`~knapspec.model.provision.cache_root`. A cache file only saves time, so nothing
+:func:`~knapspec.paths.cache_root`. A cache file only saves time, so nothing
 about one may fail a call or change its result:
 
 - a file that cannot be read, is not what it claims to be (truncated, garbage, another

@@ -78,7 +78,7 @@ class CompiledLibrary:
 
     def path(self) -> Path:
         """Where the library for this source, compiler, flags and CPU is cached."""
-        from knapspec.model.provision import cache_root
+        from knapspec.paths import cache_root
 
         digest = hashlib.sha256()
         digest.update(self.source.read_bytes())

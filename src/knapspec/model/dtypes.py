@@ -37,7 +37,7 @@ import torch
 
 from knapspec.model import cachefiles
 from knapspec.model.machine import cpu_flags_digest, host_cpu_flags, host_cpu_model
-from knapspec.model.provision import cache_root
+from knapspec.paths import cache_root
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = ("auto", *DTYPES)

@@ -69,7 +69,6 @@ from knapspec.model.probe import (  # the probe lived here; its names are re-exp
     first_violation,
     is_row_invariant,
 )
-from knapspec.model.provision import cache_root
 from knapspec.model.row_linear import (
     amx_available,
     build_tag,
@@ -77,6 +76,7 @@ from knapspec.model.row_linear import (
     release_amx_packed,
 )
 from knapspec.model.row_linear import available as row_linear_available
+from knapspec.paths import cache_root
 
 if TYPE_CHECKING:
     from knapspec.model.tunable import TunableEngine

@@ -38,8 +38,8 @@ from knapspec.model.kernels import (
     KernelTable,
     Shape,
 )
-from knapspec.model.provision import cache_root
 from knapspec.model.row_linear import build_tag
+from knapspec.paths import cache_root
 
 if TYPE_CHECKING:
     from knapspec.model.tunable import TunableEngine

@@ -57,6 +57,7 @@ from knapspec.model.provenance import (
     file_sizes,
     problem,
 )
+from knapspec.paths import cache_root  # re-exported: callers that named it here keep working
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -95,21 +96,6 @@ _TMP_PREFIX = ".tmp-provision-"
 
 class ProvisioningError(RuntimeError):
     """The model could not be provisioned or resolved; the message says why and what to do."""
-
-
-def cache_root() -> Path:
-    """Return knapspec's cache directory (it is not created here).
-
-    ``$KNAPSPEC_CACHE`` if set and non-empty, else ``$XDG_CACHE_HOME/knapspec``, else
-    ``~/.cache/knapspec``.
-    """
-    explicit = os.environ.get("KNAPSPEC_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "knapspec"
-    return Path.home() / ".cache" / "knapspec"
 
 
 def _say(message: str, progress: bool) -> None:

@@ -59,11 +59,12 @@ def loader(
     builds them (the same ``--model``, ``--dtype``, ``--config`` and ``--set``)."""
 
     def load() -> Backend:
-        from knapspec.cli.inputs import import_decoder, load_model
+        from knapspec.decoding.decoder import SpeculativeDecoder
+        from knapspec.model.loading import load_model
         from knapspec.model.provision import DEFAULT_ALIASES, DEFAULT_MODEL_NAME
 
         loaded, tokenizer = load_model(model, dtype)
-        decoder = import_decoder().from_config(loaded, config)
+        decoder = SpeculativeDecoder.from_config(loaded, config)
         limit = min(max_model_len or DEFAULT_MAX_MODEL_LEN, decoder.engine.max_context)
         eos: set[int] = set()
         for source in (tokenizer.eos_token_id, loaded.generation_config.eos_token_id):

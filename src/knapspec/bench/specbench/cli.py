@@ -36,7 +36,7 @@ from knapspec.bench.specbench.report import (
     write_report,
 )
 from knapspec.bench.specbench.runner import SpecBenchOptions, run_spec_bench
-from knapspec.cli.common import load_decoder_config, positive_int
+from knapspec.commandline import load_decoder_config, positive_int
 
 PROG = "knapspec bench spec-bench"
 DTYPES = ("float32", "bfloat16")

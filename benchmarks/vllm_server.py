@@ -1,5 +1,8 @@
 """Start, drive and stop a local ``vllm serve`` (tests and benchmarks of the vLLM proposer).
 
+A test and benchmark harness, not part of the library: ``tests/test_vllm_real.py`` and
+``benchmarks/vllm_proposer.py`` import it as ``benchmarks.vllm_server``.
+
 :class:`VllmServer` runs vLLM's OpenAI server (``python -m vllm.entrypoints.openai.
 api_server``, which the CPU build accepts) on 127.0.0.1 in its own process group, waits
 until it answers, reads its Prometheus ``/metrics`` and stops it (the whole group) when the

@@ -42,22 +42,22 @@ from typing import Any
 import numpy as np
 
 from knapspec.costmodels.base import CostModel
-from knapspec.decoding.batch_allocation import best_lookup_allocations, greedy_order, lookup_bound
-from knapspec.decoding.batch_plan import (
+from knapspec.drafters.acceptance import LookupAcceptance
+from knapspec.drafters.base import Draft
+from knapspec.planners.batch.allocation import best_lookup_allocations, greedy_order, lookup_bound
+from knapspec.planners.batch.plan import (
     BatchSubnetwork,
     DraftRealism,
     RoundPlan,
     SubnetworkAcceptance,
 )
-from knapspec.decoding.batch_pricing import (
+from knapspec.planners.batch.pricing import (
     BatchPassCalibration,
     RoundPrices,
     batched_draft_cost,
     batched_verify_cost,
     packed_verify_cost,
 )
-from knapspec.drafters.acceptance import LookupAcceptance
-from knapspec.drafters.base import Draft
 from knapspec.planners.objective import chained_expected_tokens
 
 FloatArray = np.ndarray[Any, np.dtype[np.float64]]
@@ -209,7 +209,7 @@ class CostModelBatchPolicy(BatchDraftPolicy):
         lookup: whether rows may draft their proposals (lookup's or any drafter's that
             proposes before planning; False: the shared sub-network only).
         explore_plain: where a round would draft but fewer than
-            :data:`~knapspec.decoding.batch_pricing.PLAIN_SAMPLES` plain passes of that many
+            :data:`~knapspec.planners.batch.pricing.PLAIN_SAMPLES` plain passes of that many
             rows have run, run it plain (its price is otherwise borrowed from drafted
             passes, or rests on one sample; :class:`BatchPassCalibration`).
         realism: what the chosen lookup drafts brought against their estimates

@@ -1,6 +1,6 @@
 """The best lookup allocation of one batched round under a cap on the widest row.
 
-:class:`~knapspec.decoding.batch_policy.CostModelBatchPolicy` asks, for each cap ``G``,
+:class:`~knapspec.planners.batch.policy.CostModelBatchPolicy` asks, for each cap ``G``,
 how many lookup tokens each row should draft (``γ_r <= G``) to maximise the round's
 predicted tokens per second; this module answers with a greedy pass over the rows'
 marginal gains plus anchored candidates (one row at the cap).
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from knapspec.decoding.batch_pricing import FloatArray, IntArray, RoundPrices
+from knapspec.planners.batch.pricing import FloatArray, IntArray, RoundPrices
 
 #: Rows tried as the one drafting the cap in the lookup search (those of the largest gain
 #: at the cap): every row in batches up to this size.
@@ -27,6 +27,7 @@ ANCHOR_ROWS = 8
 
 
 GreedyOrder = tuple[FloatArray, IntArray, IntArray]
+_NONE: FloatArray = np.zeros(0)
 
 
 def greedy_order(gains: Sequence[FloatArray], lengths: Sequence[int], cap: int) -> GreedyOrder:
@@ -38,16 +39,35 @@ def greedy_order(gains: Sequence[FloatArray], lengths: Sequence[int], cap: int) 
     Returns:
         the increments, their rows and their ``k`` (the row's γ once it is taken).
     """
+    increments: list[FloatArray] = []
+    for gain, length in zip(gains, lengths, strict=True):
+        top = min(cap, length)
+        increments.append(
+            np.diff(np.asarray(gain[: top + 1], dtype=np.float64)) if top >= 1 else _NONE
+        )
+    return order_increments(increments)
+
+
+def order_increments(increments: Sequence[FloatArray]) -> GreedyOrder:
+    """Row ``r``'s draft tokens, ``increments[r][k - 1]`` the expected tokens its ``k``-th
+    adds, every row's largest first; ties keep row-major order (a stable sort), so the
+    first ``m`` are the batch's best ``m`` draft tokens when each row's increments do not
+    grow with ``k``. :func:`greedy_order` and the vLLM proposer's batch pricing
+    (:func:`knapspec.integrations.vllm_pricing.price_batch`) both take their order here.
+
+    Returns:
+        the increments, their rows and their ``k`` (the row's γ once it is taken).
+    """
     values: list[FloatArray] = []
     rows: list[IntArray] = []
     depths: list[IntArray] = []
-    for row, (gain, length) in enumerate(zip(gains, lengths, strict=True)):
-        top = min(cap, length)
-        if top < 1:
+    for row, increment in enumerate(increments):
+        count = len(increment)
+        if count < 1:
             continue
-        values.append(np.diff(np.asarray(gain[: top + 1], dtype=np.float64)))
-        rows.append(np.full(top, row, dtype=np.int64))
-        depths.append(np.arange(1, top + 1, dtype=np.int64))
+        values.append(np.asarray(increment, dtype=np.float64))
+        rows.append(np.full(count, row, dtype=np.int64))
+        depths.append(np.arange(1, count + 1, dtype=np.int64))
     if not values:
         empty = np.zeros(0, dtype=np.int64)
         return np.zeros(0), empty, empty
@@ -255,4 +275,5 @@ __all__ = [
     "best_lookup_allocations",
     "greedy_order",
     "lookup_bound",
+    "order_increments",
 ]

@@ -1,8 +1,11 @@
-"""What every part of the ``knapspec`` command shares, and its ``bench`` harness too.
+"""What every part of the ``knapspec`` command shares, the ``bench`` harness's parsers too.
 
 The program name, the two error classes the command reports as one line (see
 :mod:`knapspec.cli`), the ``positive_int`` argument type and the ``--config`` / ``--set``
-reading. :mod:`knapspec.bench.cli` imports this module; nothing here imports the harness.
+reading. It sits below both :mod:`knapspec.cli` (the command, the top layer) and
+:mod:`knapspec.bench` (the measurement wing the command runs), so the harness parses its
+own arguments without importing the command. Standard library only at the top: the
+command imports this module before anything heavy.
 """
 
 from __future__ import annotations
