@@ -109,20 +109,15 @@ def available_bf16_units() -> list[str]:
     claim of a CPU without a path's units (:func:`~knapspec.model.machine.claimed_absent`)
     rules it out."""
     library = load_library()
-    units = []
-    if (
-        library is not None
-        and library.knapspec_attention_amx_available() == 1
-        and not claimed_absent(*AMX_TILE_FLAGS)
-    ):
-        units.append("amx-tiles")
-    if (
-        library is not None
-        and library.knapspec_attention_dpbf16_available() == 1
-        and not claimed_absent(*AVX512_BF16_FLAGS)
-    ):
-        units.append("avx512-bf16")
-    return [*units, "vector"]
+    if library is None:
+        return ["vector"]
+    offered = {
+        "amx-tiles": library.knapspec_attention_amx_available() == 1
+        and not claimed_absent(*AMX_TILE_FLAGS),
+        "avx512-bf16": library.knapspec_attention_dpbf16_available() == 1
+        and not claimed_absent(*AVX512_BF16_FLAGS),
+    }
+    return [*(unit for unit, here in offered.items() if here), "vector"]
 
 
 def bf16_attention_unit() -> str:
