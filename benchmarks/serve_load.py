@@ -191,6 +191,7 @@ def main() -> None:
         "threads": args.threads,
         "commit": git_commit(),
         "python": sys.version.split()[0],
+        "command": " ".join(["python", "benchmarks/serve_load.py", *sys.argv[1:]]),
     }
     if args.soak:
         with _knapspec_server(args, []) as server:
