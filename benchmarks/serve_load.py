@@ -142,7 +142,7 @@ def _parser() -> argparse.ArgumentParser:
         "--llamacpp-bf16-gguf",
         type=Path,
         help="a bf16 GGUF of the same checkpoint (llama.cpp's convert_hf_to_gguf.py --outtype "
-        "bf16 on knapspec's provisioned directory; docs/serving.md)",
+        "bf16 on knapspec's provisioned directory; results/serve/HISTORY.md)",
     )
     parser.add_argument("--modes", nargs="+", default=["greedy", "sampled"])
     parser.add_argument(
@@ -317,7 +317,7 @@ def _missing_interpreter(system: str, args: argparse.Namespace) -> str | None:
     if system in LLAMACPP_SYSTEMS and args.llamacpp_python is None:
         return "no --llamacpp-python given"
     if system == "llama-cpp-bf16" and args.llamacpp_bf16_gguf is None:
-        return "no --llamacpp-bf16-gguf given (docs/serving.md: converting the checkpoint)"
+        return "no --llamacpp-bf16-gguf given (results/serve/HISTORY.md: converting the checkpoint)"
     return None
 
 
