@@ -333,17 +333,20 @@ def report(path: Path) -> str:
         out.append(f"| {method} | {' | '.join(cells)} |")
     out += [
         "",
-        "| method, set, clients | TTFT p50 s | ITL p50 / p95 ms | TPOT ms | acceptance | "
-        "accepted length | equal to plain |",
-        "|---|---|---|---|---|---|---|",
+        "| method, set, clients | TTFT p50 s | ITL p50 / p95 / p99 ms | TPOT ms | acceptance | "
+        "accepted length | prefix-cache hits / queried tokens | equal to plain |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in summaries:
         acceptance = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
         length = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
         out.append(
             f"| {r['method']}, {r['set']}, {r['clients']} | {r['ttft_p50_s']:.2f} | "
-            f"{1000 * r['itl_p50_s']:.0f} / {1000 * r['itl_p95_s']:.0f} | "
+            f"{1000 * r['itl_p50_s']:.0f} / {1000 * r['itl_p95_s']:.0f} / "
+            f"{1000 * r.get('itl_p99_s', float('nan')):.0f} | "
             f"{1000 * r['tpot_mean_s']:.0f} | {acceptance} | {length} | "
+            f"{r.get('prefix_cache_hit_tokens', '-')} / "
+            f"{r.get('prefix_cache_queried_tokens', '-')} | "
             f"{r['equal_to_plain']}/{r['requests']} |"
         )
     return "\n".join(out)

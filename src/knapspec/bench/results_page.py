@@ -39,15 +39,22 @@ HEADLINE = (
     ("serve race (cold)", "greedy, 16 client(s): knapspec"),
     ("serve race (cold)", "greedy, 16 client(s): knapspec-ar"),
     ("serve race (cold)", "greedy, 16 client(s): vllm"),
+    ("serve race (cold)", "greedy, 16 client(s): knapspec, chunk gap p95"),
+    ("serve race (cold)", "greedy, 16 client(s): knapspec-ar, chunk gap p95"),
+    ("serve race (cold)", "greedy, 16 client(s): vllm, chunk gap p95"),
 )
 
 
 def _number(value: float, unit: str) -> str:
-    return f"{value:.2f}x" if unit == "x" else f"{value:.1f}"
+    if unit == "x":
+        return f"{value:.2f}x"
+    return f"{value:.3f} s" if unit == "s" else f"{value:.1f}"
 
 
 def _spread(figure: Figure) -> str:
     low, high = min(figure.values), max(figure.values)
+    if figure.unit == "s":
+        return f"{low:.3f}-{high:.3f} s"
     return f"{_number(low, figure.unit)}-{_number(high, figure.unit)}"
 
 

@@ -271,9 +271,18 @@ def spec_bench_runs(root: Path) -> Iterator[Figure]:
                 )
 
 
+#: The race's per-pass fields on the page: (field, label after the system, unit).
+RACE_FIELDS = (
+    ("output_tokens_per_s", "", "tok/s"),
+    ("ttft_p95_s", ", TTFT p95", "s"),
+    ("gap_p95_s", ", chunk gap p95", "s"),
+    ("token_gap_p95_s", ", per-token gap p95", "s"),
+)
+
+
 def serve_race(root: Path) -> Iterator[Figure]:
-    """``benchmarks/serve_load.py``'s cold race: each system's output tokens/s per pass,
-    mode and concurrency over the repeats of the latest run."""
+    """``benchmarks/serve_load.py``'s cold race: each system's output tokens/s and tail
+    latency per pass, mode and concurrency over the repeats of the latest run."""
     path = root / "serve" / "race.jsonl"
     if not path.exists():
         return
@@ -287,17 +296,20 @@ def serve_race(root: Path) -> Iterator[Figure]:
         lambda r: (cpu_class(r), r["dtype"], r["pass"], r["mode"], r["concurrency"], r["system"]),
     )
     for (cpu, dtype, name, mode, concurrency, system), group in keyed.items():
-        yield Figure(
-            f"serve race ({name})",
-            cpu,
-            dtype,
-            str(group[0]["commit"]),
-            f"{mode}, {concurrency} client(s): {system}",
-            tuple(r["output_tokens_per_s"] for r in group),
-            "tok/s",
-            str(group[0].get("command", "python benchmarks/serve_load.py")),
-            str(path.relative_to(root.parent)),
-        )
+        for field, label, unit in RACE_FIELDS:
+            values = tuple(r[field] for r in group if r.get(field) is not None)
+            if values:
+                yield Figure(
+                    f"serve race ({name})",
+                    cpu,
+                    dtype,
+                    str(group[0]["commit"]),
+                    f"{mode}, {concurrency} client(s): {system}{label}",
+                    values,
+                    unit,
+                    str(group[0].get("command", "python benchmarks/serve_load.py")),
+                    str(path.relative_to(root.parent)),
+                )
 
 
 #: Every reader, in the page's order within a CPU class and dtype.
