@@ -28,19 +28,17 @@ from knapspec.bench.race import (
 
 
 @given(
-    questions=st.lists(st.text(min_size=1, max_size=3), max_size=40),
-    sizes=st.lists(st.integers(0, 8), max_size=6),
+    count=st.integers(32, 60),
+    duplicated=st.integers(0, 10),
+    sizes=st.lists(st.integers(0, 5), min_size=1, max_size=6),
     reserve=st.integers(0, 2),
     seed=st.integers(0, 5),
 )
 def test_slices_never_repeat_a_question(
-    questions: list[str], sizes: list[int], reserve: int, seed: int
+    count: int, duplicated: int, sizes: list[int], reserve: int, seed: int
 ) -> None:
-    distinct = len(set(questions))
-    if reserve + sum(sizes) > distinct:
-        with pytest.raises(ValueError, match="distinct questions"):
-            plan_slices(questions, sizes, reserve=reserve, seed=seed)
-        return
+    base = [f"question {i}" for i in range(count)]
+    questions = base + base[:duplicated]  # a file may hold a text twice
     reserved, slices = plan_slices(questions, sizes, reserve=reserve, seed=seed)
     assert len(reserved) == reserve
     assert [len(s) for s in slices] == sizes
@@ -49,6 +47,15 @@ def test_slices_never_repeat_a_question(
     assert set(asked) <= set(questions)
     # The same arguments give the same slices (every system and repeat asks alike).
     assert plan_slices(questions, sizes, reserve=reserve, seed=seed) == (reserved, slices)
+
+
+def test_slices_refuse_a_set_too_small_to_stay_cold() -> None:
+    questions = ["a", "b", "c", "a"]  # three distinct
+    assert len({q for s in plan_slices(questions, [1, 2], reserve=0)[1] for q in s}) == 3
+    with pytest.raises(ValueError, match="distinct questions"):
+        plan_slices(questions, [1, 2], reserve=1)
+    with pytest.raises(ValueError, match=">= 0"):
+        plan_slices(questions, [-1])
 
 
 def test_the_default_race_fits_the_question_set_and_mixes_categories() -> None:
@@ -130,25 +137,22 @@ def test_repeats_are_summarised_as_median_and_range_per_system() -> None:
 
 
 @given(
-    pool=st.lists(
-        st.tuples(st.sampled_from(["qa", "rag", "copy"]), st.lists(st.integers(0, 3), max_size=3)),
-        max_size=30,
-    ),
+    count=st.integers(20, 40),
+    duplicated=st.integers(0, 8),
+    groups=st.lists(st.sampled_from(["qa", "rag", "copy"]), min_size=1, max_size=3),
     sizes=st.lists(st.integers(1, 5), min_size=1, max_size=3),
 )
 def test_vllm_proposer_levels_never_share_a_prompt(
-    pool: list[tuple[str, list[int]]], sizes: list[int]
+    count: int, duplicated: int, groups: list[str], sizes: list[int]
 ) -> None:
     from benchmarks.vllm_proposer import level_slices, round_robin
 
-    named = [(f"{group}-{i}", ids) for i, (group, ids) in enumerate(pool)]
+    ids = [[i, i + 1] for i in range(count)] + [[i, i + 1] for i in range(duplicated)]
+    named = [(f"{groups[i % len(groups)]}-{i}", x) for i, x in enumerate(ids)]
     levels = [1, 4, 16][: len(sizes)]
-    distinct = len({tuple(ids) for _, ids in named})
-    if 1 + sum(sizes) > distinct:
-        with pytest.raises(SystemExit):
-            level_slices(round_robin(named), sizes, levels)
-        return
     warm, by_level = level_slices(round_robin(named), sizes, levels)
-    sent = [tuple(warm[1])] + [tuple(ids) for level in levels for _, ids in by_level[level]]
+    sent = [tuple(warm[1])] + [tuple(x) for level in levels for _, x in by_level[level]]
     assert len(sent) == len(set(sent)) == 1 + sum(sizes)
     assert [len(by_level[level]) for level in levels] == sizes
+    with pytest.raises(SystemExit):
+        level_slices(round_robin(named), [count], [1])  # the warm-up too: one short
