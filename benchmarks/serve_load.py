@@ -77,7 +77,13 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from knapspec.bench.env import git_commit
-from knapspec.bench.race import plan_slices, race_report, rotation, summarise_race
+from knapspec.bench.race import (
+    paired_ratios,
+    plan_slices,
+    race_report,
+    rotation,
+    summarise_race,
+)
 from knapspec.integrations.vllm_server import ngram_speculative
 from knapspec.model.machine import machine_description
 
@@ -255,8 +261,11 @@ def main() -> None:
                 }
                 records.append(line)
                 _write(output, line)
-    for row in summarise_race([r for r in records if "output_tokens_per_s" in r]):
+    timed = [r for r in records if "output_tokens_per_s" in r]
+    for row in summarise_race(timed):
         _write(output, {**machine, "kind": "summary", "run": run, **row})
+    for row in paired_ratios(timed):
+        _write(output, {**machine, "kind": "ratio", "run": run, **row})
     print(race_report([json.loads(x) for x in output.read_text().splitlines()], run))
 
 

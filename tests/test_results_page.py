@@ -100,3 +100,38 @@ def test_figure_median_and_page_spread() -> None:
     figure = Figure("b", "AMD Zen 4", "float32", "c0ffee0", "s", (1.0, 3.0, 2.0), "x", "cmd", "src")
     assert figure.median == 2.0
     assert "| s | 2.00x | 1.00x-3.00x | 3 | 0 |" in page([figure])
+
+
+def test_the_serve_race_gives_rates_latency_and_paired_ratios(tmp_path: Path) -> None:
+    from knapspec.bench.results_sources import serve_race
+
+    def line(run: str, system: str, repeat: int, rate: float) -> dict:
+        return {
+            **ZEN3,
+            "kind": "pass",
+            "run": run,
+            "commit": "abc1234",
+            "command": "python benchmarks/serve_load.py --repeats 2",
+            "dtype": "float32",
+            "pass": "cold",
+            "mode": "greedy",
+            "concurrency": 16,
+            "repeat": repeat,
+            "system": system,
+            "output_tokens_per_s": rate,
+            "gap_p95_s": 0.1,
+        }
+
+    lines = [line("old", "knapspec", 0, 999.0), line("old", "vllm", 0, 1.0)]  # not the latest
+    lines += [line("new", "knapspec", r, 150.0 / (r + 1)) for r in range(2)]
+    lines += [line("new", "vllm", r, 100.0 / (r + 1)) for r in range(2)]
+    lines.append({"kind": "summary", "run": "new"})  # summary lines are not read
+    (tmp_path / "serve").mkdir()
+    (tmp_path / "serve" / "race.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    figures = {f.setting: f for f in serve_race(tmp_path)}
+    ratio = figures["greedy, 16 client(s): knapspec / vllm (per repeat)"]
+    assert ratio.values == (1.5, 1.5) and ratio.cpu == "AMD Zen 3 / AVX2"
+    assert figures["greedy, 16 client(s): vllm"].values == (100.0, 50.0)
+    assert figures["greedy, 16 client(s): knapspec, chunk gap p95"].unit == "s"
+    assert ratio.command.endswith("--repeats 2")
+    assert "knapspec / vllm (per repeat) | **1.50x**" in headline(list(figures.values()))

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from knapspec.bench.race import (
     chunk_gaps,
     latency_summary,
+    paired_ratios,
     percentile,
     plan_slices,
     prefix_cache_counts,
@@ -156,3 +157,34 @@ def test_vllm_proposer_levels_never_share_a_prompt(
     assert [len(by_level[level]) for level in levels] == sizes
     with pytest.raises(SystemExit):
         level_slices(round_robin(named), [count], [1])  # the warm-up too: one short
+
+
+def test_ratios_pair_systems_within_each_repeat() -> None:
+    def line(system: str, repeat: int, rate: float) -> dict[str, object]:
+        return {
+            "pass": "cold",
+            "mode": "greedy",
+            "concurrency": 16,
+            "repeat": repeat,
+            "system": system,
+            "output_tokens_per_s": rate,
+        }
+
+    # Repeat 1 ran slower for everyone: paired within the repeat, the ratio holds.
+    records = [
+        line("knapspec", 0, 150.0),
+        line("knapspec-ar", 0, 125.0),
+        line("vllm", 0, 100.0),
+        line("knapspec", 1, 75.0),
+        line("knapspec-ar", 1, 60.0),
+        line("vllm", 1, 50.0),
+        line("knapspec", 2, 120.0),  # vLLM missing in repeat 2: no pair there
+    ]
+    rows = {r["ratio"]: r for r in paired_ratios(records)}
+    assert rows["knapspec / vllm"]["value"] == {"median": 1.5, "min": 1.5, "max": 1.5, "n": 2}
+    assert rows["knapspec-ar / vllm"]["value"]["median"] == pytest.approx(1.225)
+    assert rows["knapspec / knapspec-ar"]["value"]["n"] == 2
+    assert "knapspec / vllm-ngram" not in rows
+    lines = [{"kind": "ratio", "run": "r", **row} for row in paired_ratios(records)]
+    summary = [{"kind": "summary", "run": "r", **row} for row in summarise_race(records)]
+    assert "| cold, greedy | 16 | knapspec / vllm |" in race_report(summary + lines)

@@ -201,6 +201,58 @@ def summarise_race(
     return rows
 
 
+#: The ratios a race reports, (numerator, denominator, what the ratio shows): the lead of
+#: knapspec's server over vLLM's splits into its engine's and its speculation's.
+RATIOS = (
+    ("knapspec", "vllm", "knapspec over vLLM"),
+    ("knapspec-ar", "vllm", "engine: knapspec's autoregressive server over vLLM"),
+    ("knapspec", "knapspec-ar", "speculation: knapspec over its autoregressive server"),
+    ("knapspec", "vllm-ngram", "knapspec over vLLM n-gram"),
+    ("vllm-ngram", "vllm", "vLLM's n-gram over vLLM"),
+)
+
+
+def paired_ratios(
+    records: Sequence[Mapping[str, Any]],
+    pairs: Sequence[tuple[str, str, str]] = RATIOS,
+    field: str = "output_tokens_per_s",
+) -> list[dict[str, Any]]:
+    """Per (pass, mode, concurrency) and pair of systems, ``field`` of the first over the
+    second within each repeat (both ran in the same round of the rotation), as
+    :func:`spread` over the repeats; pairs with a system missing are left out."""
+    by_key: dict[tuple[Any, ...], float] = {}
+    for r in records:
+        if r.get(field) is not None:
+            key = (r["pass"], r["mode"], r["concurrency"], r["repeat"], r["system"])
+            by_key[key] = r[field]
+    cells = dict.fromkeys((k[0], k[1], k[2]) for k in by_key)
+    repeats = sorted({k[3] for k in by_key})
+    rows = []
+    for name, mode, concurrency in cells:
+        for top, bottom, meaning in pairs:
+            values = [
+                by_key[(name, mode, concurrency, r, top)]
+                / by_key[(name, mode, concurrency, r, bottom)]
+                for r in repeats
+                if (name, mode, concurrency, r, top) in by_key
+                and by_key.get((name, mode, concurrency, r, bottom))
+            ]
+            if values:
+                rows.append(
+                    {
+                        "pass": name,
+                        "mode": mode,
+                        "concurrency": concurrency,
+                        "ratio": f"{top} / {bottom}",
+                        "meaning": meaning,
+                        "field": field,
+                        "value": spread(values),
+                        "values": values,
+                    }
+                )
+    return rows
+
+
 def _cell(value: Mapping[str, Any], scale: float = 1.0, digits: int = 1) -> str:
     """``median (min-max)`` of a :func:`spread`, scaled; ``-`` when empty."""
     if value.get("median") is None:
@@ -248,16 +300,32 @@ def race_report(lines: Sequence[Mapping[str, Any]], run: str | None = None) -> s
                     f"| {ttft} | {gap} | {token} | {_cell(r['prefix_cache_hit_rate'], 1, 2)} "
                     f"| {_cell(r['differ_from_alone'], 1, 0)} |"
                 )
+    ratios = [r for r in lines if r.get("kind") == "ratio" and r.get("run") == run]
+    if ratios:
+        out += [
+            "",
+            "**Ratios of output tokens/s within each repeat** (median (min-max))",
+            "",
+            "| pass, mode | C | ratio | what it shows | value |",
+            "|---|---|---|---|---|",
+        ]
+        for r in ratios:
+            out.append(
+                f"| {r['pass']}, {r['mode']} | {r['concurrency']} | {r['ratio']} | "
+                f"{r['meaning']} | {_cell(r['value'], 1, 2)} |"
+            )
     return "\n".join(out)
 
 
 __all__ = [
     "QUANTILES",
+    "RATIOS",
     "SUMMARY_FIELDS",
     "chunk_gaps",
     "counter_delta",
     "distinct",
     "latency_summary",
+    "paired_ratios",
     "percentile",
     "plan_slices",
     "prefix_cache_counts",

@@ -18,6 +18,8 @@ from typing import Any
 
 import attrs
 
+from knapspec.bench.race import paired_ratios
+
 #: CPU classes in the page's order.
 CPU_CLASSES = (
     "Intel Xeon with AMX",
@@ -295,6 +297,21 @@ def serve_race(root: Path) -> Iterator[Figure]:
         latest,
         lambda r: (cpu_class(r), r["dtype"], r["pass"], r["mode"], r["concurrency"], r["system"]),
     )
+    command = str(latest[-1].get("command", "python benchmarks/serve_load.py"))
+    source = str(path.relative_to(root.parent))
+    for (cpu, dtype), lines in _groups(latest, lambda r: (cpu_class(r), r["dtype"])).items():
+        for row in paired_ratios(lines):
+            yield Figure(
+                f"serve race ({row['pass']})",
+                cpu,
+                dtype,
+                str(lines[0]["commit"]),
+                f"{row['mode']}, {row['concurrency']} client(s): {row['ratio']} (per repeat)",
+                tuple(row["values"]),
+                "x",
+                command,
+                source,
+            )
     for (cpu, dtype, name, mode, concurrency, system), group in keyed.items():
         for field, label, unit in RACE_FIELDS:
             values = tuple(r[field] for r in group if r.get(field) is not None)
