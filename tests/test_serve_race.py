@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from benchmarks.serve_race import QUESTIONS, SeenGuard, first_turns
@@ -188,3 +189,14 @@ def test_ratios_pair_systems_within_each_repeat() -> None:
     lines = [{"kind": "ratio", "run": "r", **row} for row in paired_ratios(records)]
     summary = [{"kind": "summary", "run": "r", **row} for row in summarise_race(records)]
     assert "| cold, greedy | 16 | knapspec / vllm |" in race_report(summary + lines)
+
+
+def test_the_vllm_build_is_read_from_the_given_interpreter(tmp_path: Path) -> None:
+    import sys
+
+    from knapspec.bench.env import vllm_build
+
+    build = vllm_build(sys.executable)  # no vLLM here: torch's capability alone
+    assert build["torch"].startswith("2.") and build["torch_cpu_capability"]
+    assert "distribution" not in build
+    assert "error" in vllm_build(tmp_path / "no-python")
