@@ -214,10 +214,12 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def docs(session: nox.Session) -> None:
-    """Regenerate and check the API reference and picture; run every docs example
+    """Regenerate and check the API reference and picture, check docs/results.md and the
+    README's headline against results/; run every docs example
     (``-- --no-examples`` skips them: CI's tests session has just run tests/test_docs.py)."""
     _install(session, "test")
     session.run("python", "docs/make_api.py", "--check")
+    session.run("python", "-m", "knapspec.bench.results_page", "--check")
     session.run("python", "docs/make_architecture_png.py")
     if "--no-examples" not in session.posargs:
         session.run(

@@ -2,14 +2,14 @@
 
 Issue #48 asks the knapspec proposer inside ``vllm serve`` for 1.15x vLLM's n-gram method
 (k = 5) at one client. At one client vLLM's step costs about the same for 1 to 6 tokens on
-the CPUs measured (docs/serving.md, "What vLLM's step cost"), so a method's decode speed is
+the CPUs measured (results/serve/HISTORY.md, "What vLLM's step cost"), so a method's decode speed is
 its **tokens per verification round**, and the most any pricing can add to a proposer is
 to draft exactly the accepted part of each proposal, every round: the same rounds as
 drafting the whole proposal, at the narrowest width. That ceiling is computed here exactly,
 on token ids alone, by replaying rounds over recorded greedy answers:
 
 * the answers are knapspec's own greedy decoding (bf16 engine), which vLLM's equal except
-  where its verification rounds a near-tie otherwise (counted in docs/serving.md);
+  where its verification rounds a near-tie otherwise (counted in results/serve/HISTORY.md);
 * ``ngram-k`` is vLLM 0.32's n-gram rule (``vllm/v1/spec_decode/ngram_proposer.py``): the
   longest suffix n-gram of the context, ``prompt_lookup_min`` <= n <= ``prompt_lookup_max``,
   found earlier in it, its *earliest* occurrence, the next k tokens;

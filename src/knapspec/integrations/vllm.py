@@ -45,7 +45,8 @@ the variables must be set where ``vllm serve`` starts.
 What does not carry over: knapspec's layer-skip drafts need to run the target with chosen
 sublayers skipped, which the proposer interface cannot do (it gets the model, not the
 runner's attention metadata and KV cache); token trees need a tree verifier vLLM's CPU
-runner does not have. docs/serving.md ("Moving to vLLM") has the details and measurements.
+runner does not have. docs/serving.md ("Moving to vLLM") has the details,
+results/serve/HISTORY.md the runs.
 
 This module imports neither vLLM nor torch: the class only reads attributes of the config
 it is given, so it is tested without vLLM installed.
