@@ -41,6 +41,7 @@ class LeanEngine(Protocol):
     exact: bool
     lean_passes: bool
     compiled_loop: bool
+    kernel_generation: int
     kernels: Any
     compiled_norms: bool
     compiled_rotary: bool
