@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import json
 import os
 import re
@@ -291,6 +292,8 @@ def run_shape(
 ) -> list[dict[str, Any]]:
     """Every measurement of one shape and dtype (module docstring), as result lines."""
     spec = name if isinstance(name, ModelShape) else shape(name)
+    gc.collect()
+    baseline, _ = rss_bytes()  # the interpreter, torch and whatever earlier shapes left
     start = time.perf_counter()
     model = random_model(spec, layers=layers, vocab=vocab, dtype=dtype)
     build_s = time.perf_counter() - start
@@ -326,6 +329,8 @@ def run_shape(
         model, decoders, prompt_tokens=prompt_tokens, new_tokens=new_tokens, pairs=pairs
     )
     lines += [{**env, "kind": "generate", "prompt_tokens": prompt_tokens, **r} for r in runs]
+    del runs, plain, decoders
+    gc.collect()
     rss, peak = rss_bytes()
     kv = spec.kv_bytes_per_token(dtype, layers=engine.num_layers) * max(
         (*prefill_lengths, prompt_tokens + new_tokens)
@@ -336,8 +341,11 @@ def run_shape(
             "kind": "memory",
             "rss_bytes": rss,
             "peak_rss_bytes": peak,
+            "rss_before_model_bytes": baseline,
             "kv_bytes": kv,
             "rss_over_weights_kv": round(rss / (weights + kv), 3),
+            # What the model and engine added, the runtime before them left out.
+            "added_rss_over_weights_kv": round((rss - baseline) / (weights + kv), 3),
         }
     )
     return lines

@@ -81,7 +81,7 @@ def test_a_tiny_run_writes_every_record(dtype: torch.dtype) -> None:
         assert run["new_tokens"] == {"generate": 6, "plain": 6, "default": 6}
         assert set(run["speedup_vs_generate"]) == {"plain", "default"}
     assert memory["rss_bytes"] > memory["weight_bytes"]
-    assert memory["rss_over_weights_kv"] > 0
+    assert memory["rss_over_weights_kv"] > 0 and memory["rss_before_model_bytes"] > 0
 
 
 class _OffByOne(SpeculativeDecoder):
