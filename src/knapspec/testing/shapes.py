@@ -96,9 +96,10 @@ class ModelShape:
             eos_token_id=None,
             bos_token_id=None,
             pad_token_id=None,
+            attn_implementation="sdpa",  # what knapspec's loader asks for
             **extra,
         )
-        config._name_or_path = f"random-{self.name.rsplit('/', 1)[-1]}"
+        config.name_or_path = f"random-{self.name.rsplit('/', 1)[-1]}"
         return config
 
 
@@ -248,7 +249,6 @@ def random_model(
         "qwen3": transformers.Qwen3ForCausalLM,
     }[spec.family]
     config = spec.config(layers=layers, vocab=vocab)
-    config._attn_implementation = "sdpa"
     with torch.device("meta"):
         model: PreTrainedModel = model_class(config)
     torch.nn.Module.to(model, dtype)  # on meta: no storage to cast yet
