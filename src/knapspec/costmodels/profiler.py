@@ -144,9 +144,7 @@ def _sweep(
     return attention, mlp
 
 
-def _runs_within(
-    budget: float | None, share: float, began: float, warmup: int, runs: int
-) -> int:
+def _runs_within(budget: float | None, share: float, began: float, warmup: int, runs: int) -> int:
     """Rounds of a phase (warm-up included) that fit ``share`` of ``budget`` seconds, given
     that its first round began at ``began`` and has just ended: at least ``warmup`` + 1,
     at most ``runs``."""
