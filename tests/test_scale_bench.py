@@ -77,7 +77,7 @@ def test_a_tiny_run_writes_every_record(dtype: torch.dtype) -> None:
     assert set(steps["step_ms"]) == {"1", "4", "16"} and steps["v"]["1"] == 1.0
     assert set(steps["prefill_ms"]) == {"32", "64"}
     for run in runs:
-        assert run["tokens_equal"], run["first_mismatch_vs_generate"]
+        assert run["tokens_equal"] and run["methods_agree"], run["first_mismatch_vs_generate"]
         assert run["new_tokens"] == {"generate": 6, "plain": 6, "default": 6}
         assert set(run["speedup_vs_generate"]) == {"plain", "default"}
     assert memory["rss_bytes"] > memory["weight_bytes"]
@@ -103,4 +103,4 @@ def test_a_decoder_that_leaves_generate_is_reported() -> None:
     }
     (line,) = compare_generate(model, decoders, prompt_tokens=16, new_tokens=5, pairs=1)
     assert line["first_mismatch_vs_generate"] == {"plain": None, "broken": 4}
-    assert line["tokens_equal"] is False
+    assert line["tokens_equal"] is False and line["methods_agree"] is False
