@@ -55,6 +55,11 @@ widths such as 1, 2, 6, 11 would interpolate straight across. At the default
 ``max_tokens = 11`` (D = 10) that is 22 forwards per round instead of 8."""
 
 
+#: Wall seconds a quick profile aims at (its repeats shrink to fit, down to one timed run
+#: after the warm-up): a step of a 1-8B model takes 0.1-1 s on a 2-core CPU, and the quick
+#: grid is some 30 steps a round. A small model's quick profile is well inside it.
+QUICK_BUDGET_SECONDS = 30.0
+
 PLANNING_WIDTHS: tuple[int, ...] = (16, 32, 64)
 """Extra verification widths beyond ``max_tokens``: one knapsack DP runs every item over
 ``live budgets × window tokens`` rows (13 × 2 = 26 by default), so the planner prices a
@@ -139,6 +144,16 @@ def _sweep(
     return attention, mlp
 
 
+def _runs_within(budget: float | None, share: float, began: float, warmup: int, runs: int) -> int:
+    """Rounds of a phase (warm-up included) that fit ``share`` of ``budget`` seconds, given
+    that its first round began at ``began`` and has just ended: at least ``warmup`` + 1,
+    at most ``runs``."""
+    if budget is None:
+        return runs
+    first = max(time.perf_counter() - began, 1e-9)
+    return max(warmup + 1, min(runs, int(share * budget / first)))
+
+
 def _time_call(call: Callable[[], object], sync: Callable[[], None]) -> float:
     sync()
     start = time.perf_counter()
@@ -159,6 +174,7 @@ def profile_engine(
     quick: bool = False,
     progress: bool = True,
     seed: int = 0,
+    budget_seconds: float | None = None,
 ) -> LatencyProfile:
     """Measure item, overhead and verification latencies of ``engine``'s model here.
 
@@ -174,6 +190,11 @@ def profile_engine(
             ladders, not the widths (every width ``1..max_tokens`` unless ``verify_tokens``).
         progress: show a tqdm bar.
         seed: seed of the random cache fill and token ids.
+        budget_seconds: wall seconds to aim at (None: no limit; a quick profile's default
+            :data:`QUICK_BUDGET_SECONDS`): after the first round of the item sweeps and of
+            the verification grid, the rounds that would overrun a quarter / three
+            quarters of it are dropped (at least ``warmup`` + 1 rounds run, and the
+            profile records the fewest timed rounds as its ``repeats``).
 
     Returns:
         A :class:`LatencyProfile` keyed to this model, machine and thread count.
@@ -186,6 +207,7 @@ def profile_engine(
     if quick:
         contexts, verify_contexts = QUICK_CONTEXTS, QUICK_VERIFY_CONTEXTS
         repeats, warmup = min(repeats, 3), min(warmup, 1)
+        budget_seconds = QUICK_BUDGET_SECONDS if budget_seconds is None else budget_seconds
     default_widths = [*range(1, max_tokens + 1), *PLANNING_WIDTHS]
     tokens = sorted({int(k) for k in (verify_tokens or default_widths)})
     if not tokens or tokens[0] < 1:
@@ -214,7 +236,13 @@ def profile_engine(
             attn_runs: dict[int, list[list[float]]] = {n: [] for n in item_contexts}
             mlp_runs: dict[int, list[list[float]]] = {n: [] for n in item_contexts}
             overhead_runs: dict[int, list[float]] = {n: [] for n in item_contexts}
+            item_runs = runs
+            phase = time.perf_counter()
             for run in range(runs):
+                if run == 1:
+                    item_runs = _runs_within(budget_seconds, 0.25, phase, warmup, runs)
+                if run >= item_runs:
+                    break
                 for context in item_contexts:
                     _select_context(cache, filled, context)
                     times_attn, times_mlp = _sweep(engine, cache, context, hidden, sync)
@@ -234,7 +262,13 @@ def profile_engine(
                 (n, k): [] for n in grid_contexts for k in tokens
             }
             ids = torch.randint(engine.vocab_size, (tokens[-1],), generator=generator)
+            grid_runs = runs
+            phase = time.perf_counter()
             for run in range(runs):
+                if run == 1:
+                    grid_runs = _runs_within(budget_seconds, 0.75, phase, warmup, runs)
+                if run >= grid_runs:
+                    break
                 for context, width in verify_runs:
                     _select_context(cache, filled, context)
 
@@ -266,7 +300,7 @@ def profile_engine(
         mlp_seconds=[list(row) for row in zip(*mlp, strict=True)],
         overhead_seconds=overhead,
         verify=verify,
-        repeats=repeats,
+        repeats=min(item_runs, grid_runs) - warmup,
         warmup=warmup,
         quick=quick,
         created=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -278,6 +312,7 @@ __all__ = [
     "DEFAULT_CONTEXTS",
     "DEFAULT_VERIFY_CONTEXTS",
     "PLANNING_WIDTHS",
+    "QUICK_BUDGET_SECONDS",
     "QUICK_CONTEXTS",
     "QUICK_VERIFY_CONTEXTS",
     "fill_random_cache",

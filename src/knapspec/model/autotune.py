@@ -24,9 +24,12 @@ kernel everywhere (fused) and with plain ``F.linear``; the fastest whole step wi
 row count, and ``F.linear`` unless another beats it by ``margin``, so the engine is never
 slower than its own ``F.linear`` path where it was checked.
 
-The measuring, choosing and checking live in :mod:`knapspec.model.kernel_timing`; this
-module keys the result to the machine and model, caches it and resolves the engine's
-choice (``$KNAPSPEC_KERNELS``).
+The measuring and choosing live in :mod:`knapspec.model.kernel_timing`, the whole-step
+checks in :mod:`knapspec.model.kernel_checks`; this module keys the result to the machine
+and model, caches it and resolves the engine's choice (``$KNAPSPEC_KERNELS``). What first
+use costs is bounded for 1-8B models: a timing pass streams the first layers (at least
+``STREAM_BYTES``, every layer of a small model) and the LM head, and the whole-step checks
+stop at a time budget (``VALIDATE_BUDGET_SECONDS``; the decode step first).
 
 :func:`load_or_tune` caches the table under ``cache_root()/kernels/``, keyed by
 :class:`KernelKey` (CPU model and flags, BLAS, torch version, threads, dtype, the model's
@@ -49,21 +52,24 @@ import attrs
 import torch
 
 from knapspec.model import cachefiles
+from knapspec.model.kernel_checks import (
+    DEFAULT_VALIDATE_ROWS,
+    StepCheck,
+    merge_rows,
+    validate_large,
+    validate_table,
+)
 from knapspec.model.kernel_timing import (
     DEFAULT_MARGIN,
-    DEFAULT_VALIDATE_ROWS,
     LARGE_ROWS,
     LinearRole,
-    StepCheck,
     Timer,
     candidate_kernels,
     choose_large,
     choose_table,
     linear_roles,
     measure_kernels,
-    merge_rows,
-    validate_large,
-    validate_table,
+    streamed_subset,
 )
 from knapspec.model.kernels import (
     FUSION_GROUPS,
@@ -84,7 +90,7 @@ if TYPE_CHECKING:
     from knapspec.model.tunable import TunableEngine
 
 #: Bump when the candidates or the measurement change, so that cached tables are re-tuned.
-AUTOTUNE_REVISION = 3
+AUTOTUNE_REVISION = 4
 
 #: Environment variable overriding the engine's default kernel choice
 #: (``auto``, ``f.linear`` or ``transposed``; see :func:`resolve_kernel_table`).
@@ -189,10 +195,12 @@ def tune_kernel_table(
     )
     onednn = onednn_available() and packing_fits(weight_bytes)
     # One timed pass per kernel and row count (after a warm-up round): the whole-step
-    # check below, not these per-product timings, has the last word.
+    # check below, not these per-product timings, has the last word. A pass streams the
+    # first layers' weights (at least STREAM_BYTES) and the LM head, not a big model's all.
+    sampled, sampled_fused = streamed_subset(separate, fused)
     timings = measure_kernels(
-        separate,
-        fused,
+        sampled,
+        sampled_fused,
         range(1, max_rows + 1),
         repeats=1,
         timer=timer,
@@ -203,7 +211,7 @@ def tune_kernel_table(
     # Products over max_rows rows (prefill, batched verification): F.linear or oneDNN.
     large_timings = (
         measure_kernels(
-            separate, [], LARGE_ROWS, repeats=1, timer=timer, progress=progress, onednn=onednn
+            sampled, [], LARGE_ROWS, repeats=1, timer=timer, progress=progress, onednn=onednn
         )
         if onednn
         else {}

@@ -1,7 +1,8 @@
-"""Timing the candidate kernels of every linear role, choosing the fastest per shape and
-row count, and checking the choice with whole engine steps: the measurement half of
-:mod:`knapspec.model.autotune` (which keys, caches and resolves the tables). Why it is
-measured this way (in model order, every weight streaming from memory) is explained there.
+"""Timing the candidate kernels of every linear role and choosing the fastest per shape and
+row count: the measurement half of :mod:`knapspec.model.autotune` (which keys, caches and
+resolves the tables; :mod:`knapspec.model.kernel_checks` checks the choice with whole
+engine steps). Why it is measured this way (in model order, every weight streaming from
+memory) is explained there.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from knapspec.model.kernels import (
-    FUSION_GROUPS,
     KERNELS,
     PLAIN_KERNEL,
     SMALL_ROWS,
@@ -34,15 +34,16 @@ if TYPE_CHECKING:
 #: or to separate products for fusion).
 DEFAULT_MARGIN = 0.03
 
-#: Rows of the steps checked end to end: decode (1) to verify of the default ``D = 10``.
-DEFAULT_VALIDATE_ROWS = tuple(range(1, 12))
-
 #: Row counts standing for products over ``SMALL_ROWS`` rows (a batched verification, a
 #: prefill chunk): a kernel runs them only if it wins at each.
 LARGE_ROWS = (64, 512)
 
-#: Tokens of the whole step that checks the choice for large products (a short prefill).
-LARGE_CHECK_ROWS = 256
+#: Bytes of weights one timing pass of :func:`measure_kernels` streams at least: a model
+#: with more is timed on its first layers up to this much, plus the LM head
+#: (:func:`streamed_subset`). Far more than any CPU cache holds, so every weight still
+#: streams from memory as in a whole step, while a 1-8B model's pass no longer multiplies
+#: all of its weights (the pass runs some 130 times: 16 row counts, 4 kernels, 2 passes).
+STREAM_BYTES = 512 * 2**20
 
 Timer = Callable[[], float]
 #: ``(role, rows, kernel) -> seconds`` of one pass (the role summed over all layers).
@@ -110,6 +111,32 @@ def _role(name: str, modules: Sequence[nn.Module | None]) -> LinearRole | None:
     if len(shapes) != 1:
         return None
     return LinearRole(name, shapes.pop(), tuple((m.weight, m.bias) for m in linears))
+
+
+def streamed_subset(
+    separate: Sequence[LinearRole], fused: Sequence[LinearRole], min_bytes: int = STREAM_BYTES
+) -> tuple[list[LinearRole], list[LinearRole]]:
+    """``separate`` and ``fused`` cut to the first layers whose separate weights hold at
+    least ``min_bytes`` (all of them where the model has fewer); single-tensor roles (the
+    LM head) stay whole. Layers share their shapes, so the first layers time every shape
+    a pass over all of them would, in model order and from memory."""
+    layers = max((len(role.tensors) for role in separate), default=0)
+    per_layer = sum(
+        role.tensors[0][0].numel() * role.tensors[0][0].element_size()
+        for role in separate
+        if len(role.tensors) == layers
+    )
+    keep = layers if per_layer == 0 else min(layers, max(1, -(-min_bytes // per_layer)))
+    if keep >= layers:
+        return list(separate), list(fused)
+
+    def cut(roles: Sequence[LinearRole]) -> list[LinearRole]:
+        return [
+            attrs.evolve(role, tensors=role.tensors[:keep]) if len(role.tensors) == layers else role
+            for role in roles
+        ]
+
+    return cut(separate), cut(fused)
 
 
 def candidate_kernels(rows: int, *, onednn: bool | None = None) -> tuple[str, ...]:
@@ -291,131 +318,11 @@ def _fastest(totals: Mapping[str, float], margin: float) -> str:
     return best
 
 
-def merge_rows(base: KernelTable, rows: Mapping[int, KernelTable]) -> KernelTable:
-    """``base`` with each listed row count taken from its own table (kernels and fusion)."""
-    shapes = set(base.choices)
-    for table in rows.values():
-        shapes |= set(table.choices)
-    choices = {
-        shape: tuple(rows.get(r, base).kernel(shape, r) for r in range(1, base.max_rows + 1))
-        for shape in shapes
-    }
-    fuse = {
-        group: tuple(rows.get(r, base).fused(group, r) for r in range(1, base.max_rows + 1))
-        for group in FUSION_GROUPS
-    }
-    return attrs.evolve(base, choices=choices, fuse=fuse)
-
-
-@attrs.frozen
-class StepCheck:
-    """Whole engine steps of ``rows`` tokens: median seconds with each candidate table
-    (``f.linear`` among them) and the one chosen for this row count."""
-
-    rows: int
-    seconds: dict[str, float]
-    chosen: str
-
-
-@torch.inference_mode()
-def validate_large(
-    engine: TunableEngine,
-    table: KernelTable,
-    *,
-    rows: int = LARGE_CHECK_ROWS,
-    repeats: int = 2,
-    margin: float = DEFAULT_MARGIN,
-    timer: Timer = time.perf_counter,
-) -> tuple[KernelTable, StepCheck | None]:
-    """Keep ``table``'s kernels for large products only if a whole ``rows``-token forward
-    (a short prefill) with them beats the same table without them by ``margin``
-    (interleaved, medians); the check is None when ``table`` has none. The engine is left
-    running the result."""
-    if not table.large:
-        engine.use_kernels(table)
-        return table, None
-    rows = max(SMALL_ROWS + 1, min(rows, engine.max_context))
-    without = table.with_large({})
-    tables = {PLAIN_KERNEL: without, "large": table}
-    ids = torch.randint(0, engine.vocab_size, (rows,), generator=torch.Generator().manual_seed(0))
-    seconds: dict[str, list[float]] = {name: [] for name in tables}
-    for repeat in range(repeats + 1):  # the first round warms up
-        for name, candidate in tables.items():
-            engine.use_kernels(candidate)
-            cache = engine.new_cache(rows)
-            start = timer()
-            engine.forward(ids, 0, cache, all_logits=False)
-            if repeat:
-                seconds[name].append(timer() - start)
-    medians = {name: statistics.median(values) for name, values in seconds.items()}
-    chosen = "large" if medians["large"] < (1 - margin) * medians[PLAIN_KERNEL] else PLAIN_KERNEL
-    result = tables[chosen]
-    engine.use_kernels(result)
-    return result, StepCheck(rows, medians, chosen)
-
-
-@torch.inference_mode()
-def validate_table(
-    engine: TunableEngine,
-    candidates: Mapping[str, KernelTable],
-    rows: Iterable[int] = DEFAULT_VALIDATE_ROWS,
-    *,
-    context: int = 128,
-    repeats: int = 2,
-    margin: float = DEFAULT_MARGIN,
-    timer: Timer = time.perf_counter,
-    progress: bool | None = None,
-) -> tuple[KernelTable, list[StepCheck]]:
-    """Choose per row count among whole tables by timing whole engine steps.
-
-    Each row count's step runs with every table of ``candidates`` and with plain
-    ``F.linear`` (interleaved, after ``context`` cached tokens); the fastest wins if it
-    beats ``F.linear`` by ``margin``, else ``F.linear`` unfused runs that row count. The
-    first candidate supplies the rows not checked. The engine is left running the result.
-    """
-    tables = {PLAIN_KERNEL: KernelTable.plain(), **candidates}
-    base = next(iter(candidates.values()))
-    rows = [r for r in rows if 1 <= r <= base.max_rows]
-    context = max(1, min(context, engine.max_context - max(rows, default=1) - 1))
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(
-        0, engine.vocab_size, (context + max(rows, default=1),), generator=generator
-    )
-    cache = engine.new_cache(ids.numel())
-    engine.use_kernels(tables[PLAIN_KERNEL])
-    engine.forward(ids[:context], 0, cache, all_logits=False)
-    checks: list[StepCheck] = []
-    bar = tqdm(rows, desc="checking kernel choice", unit="rows", disable=_disabled(progress))
-    for index, count in enumerate(bar):
-        step = ids[context : context + count]
-        seconds: dict[str, list[float]] = {name: [] for name in tables}
-        warmup = 1 if index == 0 else 0
-        for repeat in range(repeats + warmup):
-            for name, candidate in tables.items():
-                engine.use_kernels(candidate)
-                start = timer()
-                engine.forward(step, context, cache)
-                elapsed = timer() - start
-                cache.crop(context)
-                if repeat >= warmup:
-                    seconds[name].append(elapsed)
-        medians = {name: statistics.median(values) for name, values in seconds.items()}
-        best = min(candidates, key=lambda name: medians[name])
-        chosen = best if medians[best] < (1 - margin) * medians[PLAIN_KERNEL] else PLAIN_KERNEL
-        checks.append(StepCheck(count, medians, chosen))
-    bar.close()
-    result = merge_rows(base, {check.rows: tables[check.chosen] for check in checks})
-    engine.use_kernels(result)
-    return result, checks
-
-
 __all__ = [
     "DEFAULT_MARGIN",
-    "DEFAULT_VALIDATE_ROWS",
-    "LARGE_CHECK_ROWS",
     "LARGE_ROWS",
+    "STREAM_BYTES",
     "LinearRole",
-    "StepCheck",
     "Timer",
     "Timings",
     "candidate_kernels",
@@ -423,7 +330,5 @@ __all__ = [
     "choose_table",
     "linear_roles",
     "measure_kernels",
-    "merge_rows",
-    "validate_large",
-    "validate_table",
+    "streamed_subset",
 ]

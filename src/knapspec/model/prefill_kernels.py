@@ -30,7 +30,7 @@ import torch
 
 from knapspec.model import cachefiles
 from knapspec.model.autotune import KernelKey
-from knapspec.model.kernel_timing import DEFAULT_MARGIN
+from knapspec.model.kernel_timing import DEFAULT_MARGIN, linear_roles
 from knapspec.model.kernels import (
     KERNELS,
     PLAIN_KERNEL,
@@ -48,7 +48,13 @@ if TYPE_CHECKING:
 PREFILL_LENGTHS: tuple[int, ...] = (64, 512, 2048)
 
 #: Bump when the timing or the rule changes, so that cached timings are measured again.
-PREFILL_REVISION = 1
+PREFILL_REVISION = 2
+
+#: The most weight-elements x tokens one timed prefill may multiply (a 2,048-token prompt
+#: through a 0.75B model): longer prompts are not timed on bigger models, whose 2,048-token
+#: prefills take a minute or more on a 2-core CPU (each length is timed 5 times). The
+#: shortest length is always timed; lengths past the last timed one follow its verdict.
+PREFILL_BUDGET = 1.5e12
 
 #: The candidates' names in the timings.
 CANDIDATES = ("measured", "row-invariant")
@@ -167,7 +173,7 @@ def prefill_dispatch(
     fast = exact.large_dispatch()
     if _names(measured) == _names(exact):
         return slow
-    lengths = [n for n in lengths if n < engine.max_context]
+    lengths = timed_lengths(engine, lengths)
     if not lengths:
         return slow
 
@@ -207,6 +213,18 @@ def prefill_dispatch(
     }
 
 
+def timed_lengths(
+    engine: TunableEngine, lengths: Sequence[int], budget: float = PREFILL_BUDGET
+) -> list[int]:
+    """The prompt lengths of ``lengths`` timed for ``engine``: shorter than its context, and
+    within ``budget`` weight-elements x tokens (:data:`PREFILL_BUDGET`; the shortest always).
+    :func:`switch_rows` then extends the last timed length's verdict to longer prompts."""
+    separate, _ = linear_roles(engine)
+    elements = sum(weight.numel() for role in separate for weight, _ in role.tensors)
+    usable = sorted(n for n in lengths if n < engine.max_context)
+    return [n for i, n in enumerate(usable) if i == 0 or elements * n <= budget]
+
+
 def describe(dispatch: Mapping[tuple[int, ...], Kernel]) -> dict[str, str]:
     """Per shape name, what a cold prefill runs (for reports and logs)."""
     names = {kernel: name for name, kernel in KERNELS.items()}
@@ -232,4 +250,5 @@ __all__ = [
     "prefill_dispatch",
     "switch_rows",
     "time_prefills",
+    "timed_lengths",
 ]
