@@ -3,64 +3,14 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-import attrs
 import torch
 
 from knapspec.decoding.sampler import TokenSampler, resolve_seed
 from knapspec.model.engine import ContextLengthError, SublayerEngine
+from knapspec.request import new_token_limit, sampling_params, stop_set
 from knapspec.sampling import SamplingParams
-
-
-def sampling_params(sampling: SamplingParams | Mapping[str, Any]) -> SamplingParams:
-    """``sampling`` as :class:`SamplingParams` (a dict gives its fields)."""
-    if isinstance(sampling, SamplingParams):
-        return sampling
-    if isinstance(sampling, Mapping):
-        fields = {field.name for field in attrs.fields(SamplingParams)}
-        unknown = sorted(str(key) for key in sampling if key not in fields)
-        if unknown:
-            raise TypeError(
-                f"sampling: unknown field(s) {', '.join(unknown)}; valid: {', '.join(fields)}"
-            )
-        return SamplingParams(**sampling)
-    raise TypeError(
-        f"sampling must be a SamplingParams or a dict of its fields, got {type(sampling).__name__}"
-    )
-
-
-def stop_set(eos_token_id: int | Sequence[int] | torch.Tensor | None) -> frozenset[int]:
-    """The stop token ids as a set (None: no stop token)."""
-    if eos_token_id is None:
-        return frozenset()
-    if isinstance(eos_token_id, torch.Tensor):
-        values: list[Any] = eos_token_id.flatten().tolist()
-    elif isinstance(eos_token_id, (str, bytes)) or not isinstance(eos_token_id, Sequence):
-        values = [eos_token_id]
-    else:
-        values = list(eos_token_id)
-    for value in values:
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-            raise TypeError(
-                f"eos_token_id must be a token id (an integer), a sequence of them or a "
-                f"tensor; got {type(value).__name__} {value!r}"
-            )
-    return frozenset(int(value) for value in values)
-
-
-def new_token_limit(max_new_tokens: object) -> int:
-    """``max_new_tokens`` checked: an integer (numpy integers too) >= 1."""
-    if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool):
-        raise TypeError(
-            f"max_new_tokens must be an integer, got {type(max_new_tokens).__name__} "
-            f"{max_new_tokens!r}"
-        )
-    limit = int(max_new_tokens)
-    if limit < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {limit}")
-    return limit
 
 
 def batch_rows_limit(max_batch_rows: object) -> int | None:

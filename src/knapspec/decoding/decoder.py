@@ -59,12 +59,12 @@ from knapspec.decoding.batch_policy import (
 from knapspec.decoding.continuous import ContinuousBatch
 from knapspec.decoding.conversation import Conversation
 from knapspec.decoding.prefix_cache import PrefixCache
-from knapspec.decoding.run import GenerationResult, LogitsProcessor
-from knapspec.decoding.run_builder import decoder_run
+from knapspec.decoding.run import GenerationResult, LogitsProcessor, Run
 from knapspec.drafters.base import Drafter
 from knapspec.model.engine import ContextLengthError, SublayerEngine
 from knapspec.planners.base import Planner, PlanningContext
 from knapspec.proxies.base import ValueProxy
+from knapspec.request import Request
 from knapspec.sampling import SamplingParams
 from knapspec.window import WindowBuffer
 
@@ -312,20 +312,17 @@ class SpeculativeDecoder:
                 eos_token_id=eos_token_id,
                 sampling=sampling,
             )
-        prompt = single_prompt(input_ids, self.engine)  # type: ignore[arg-type]
-        max_new_tokens = new_token_limit(max_new_tokens)
-        self.engine.check_context(prompt.numel() + max_new_tokens)
-        params = sampling_params(sampling) if sampling is not None else self.sampling
-        stop_ids = stop_set(eos_token_id)
-        if logits_processor is not None and not callable(logits_processor):
-            raise TypeError(
-                "logits_processor must be a callable (input_ids, scores) -> scores, such as a "
-                f"transformers LogitsProcessorList; got {type(logits_processor).__name__}"
-            )
+        request = Request(
+            single_prompt(input_ids, self.engine),  # type: ignore[arg-type]
+            max_new_tokens,
+            self.sampling if sampling is None else sampling,
+            eos_token_id,
+            streamer=streamer,
+            logits_processor=logits_processor,
+        )
+        self.engine.check_context(request.prompt_tokens + request.max_new_tokens)
         with self._lock:
-            return self._generate(
-                prompt, max_new_tokens, stop_ids, params, streamer, logits_processor
-            )
+            return self._generate(request)
 
     @torch.inference_mode()
     def generate_batch(
@@ -490,30 +487,12 @@ class SpeculativeDecoder:
 
         return plan
 
-    def _generate(
-        self,
-        prompt: torch.Tensor,
-        max_new_tokens: int,
-        stop_ids: frozenset[int],
-        params: SamplingParams,
-        streamer: BaseStreamer | None,
-        logits_processor: LogitsProcessor | None,
-    ) -> GenerationResult:
+    def _generate(self, request: Request) -> GenerationResult:
         prefixes = self.prefix_cache
+        prompt = request.prompt
         reused = prefixes.restore(prompt, self._cache) if prefixes is not None else 0
         # Unseeded: a fresh seed from torch's global RNG (torch.manual_seed repeats it).
-        run = decoder_run(
-            self,
-            self._cache,
-            self._window,
-            prompt,
-            max_new_tokens,
-            stop_ids,
-            params,
-            streamer,
-            logits_processor,
-            reused_tokens=reused,
-        )
+        run = Run(self, self._cache, self._window, request, reused_tokens=reused)
         result = run.execute()
         if prefixes is not None:
             # Every committed token whose K/V the cache holds (all but perhaps the last).
