@@ -54,10 +54,11 @@ from knapspec.decoding.batch_policy import (
     BatchDraftPolicy,
     FixedLookupBatchPolicy,
 )
-from knapspec.decoding.continuous import ContinuousBatch, RowRequest, RowUpdate
+from knapspec.decoding.continuous import ContinuousBatch, RowUpdate
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.drafters import DraftRequest, LookupConfig, LookupDrafter
 from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.request import Request
 from knapspec.types import Draft
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -198,7 +199,7 @@ def run_batch(
     def admit() -> None:
         while queue and len(live) < clients:
             index, prompt = queue.pop(0)
-            update = batch.add(RowRequest(prompt, max_new_tokens, stop_ids))
+            update = batch.add(Request(prompt, max_new_tokens, stop_ids=stop_ids))
             answers[index] = list(update.tokens)
             if not update.stop_reason:
                 live[update.lane] = index

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from knapspec.decoding.sampler import TokenSampler, resolve_seed
+from knapspec.decoding.sampler import resolve_seed
 from knapspec.model.engine import ContextLengthError, SublayerEngine
 from knapspec.request import new_token_limit, sampling_params, stop_set
 from knapspec.sampling import SamplingParams
@@ -134,21 +134,18 @@ def is_batch(input_ids: object) -> bool:
     )
 
 
-def row_samplers(
-    params: SamplingParams, rows: int, seeds: Sequence[int] | None, device: torch.device
-) -> list[TokenSampler]:
-    """One :class:`TokenSampler` per row.
+def row_seeds(params: SamplingParams, rows: int, seeds: Sequence[int] | None) -> list[int]:
+    """Per row of a batch, the seed it samples with (resolved now, in row order).
 
-    Row ``r`` samples with seed ``seeds[r]``, else ``params.seed + r``, else a fresh seed
-    drawn from torch's global RNG (so ``torch.manual_seed`` makes the call reproducible).
+    Row ``r`` samples with seed ``seeds[r]`` (mod ``2**64``), else ``params.seed + r``,
+    else a fresh seed drawn from torch's global RNG (so ``torch.manual_seed`` makes the
+    call reproducible); greedy rows draw nothing.
     """
     if seeds is not None and len(seeds) != rows:
         raise ValueError(f"seeds has {len(seeds)} entries for a batch of {rows} rows")
-    samplers = []
-    for row in range(rows):
-        seed = int(seeds[row]) % 2**64 if seeds is not None else resolve_seed(params, row)
-        samplers.append(TokenSampler(params, seed, device))
-    return samplers
+    if seeds is not None:
+        return [int(seed) % 2**64 for seed in seeds]
+    return [resolve_seed(params, row) for row in range(rows)]
 
 
 __all__ = [
@@ -157,7 +154,7 @@ __all__ = [
     "check_batch_context",
     "is_batch",
     "new_token_limit",
-    "row_samplers",
+    "row_seeds",
     "sampling_params",
     "single_prompt",
     "stop_set",

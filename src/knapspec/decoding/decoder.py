@@ -38,7 +38,7 @@ from knapspec.decoding.arguments import (
     check_batch_context,
     is_batch,
     new_token_limit,
-    row_samplers,
+    row_seeds,
     sampling_params,
     single_prompt,
     stop_set,
@@ -372,22 +372,21 @@ class SpeculativeDecoder:
         check_batch_context(prompts, limit, self.engine.max_context)
         params = sampling_params(sampling) if sampling is not None else self.sampling
         stop_ids = stop_set(eos_token_id)
-        samplers = row_samplers(params, len(prompts), seeds, self.engine.device)
+        requests = [
+            Request(prompt, limit, params, stop_ids, seed=seed)
+            for prompt, seed in zip(prompts, row_seeds(params, len(prompts), seeds), strict=True)
+        ]
         if policy is None:
             policy = self._default_batch_policy()
         with self._lock:
             run = BatchRun(
                 self.engine,
                 self._cache,
-                prompts,
-                max_new_tokens=limit,
-                stop_ids=stop_ids,
-                params=params,
+                requests,
                 policy=policy,
                 max_draft_length=self.max_draft_length,
                 drafters=self.drafters,
                 proposers=self.planner.proposal_drafters(),
-                samplers=samplers,
                 plan_subnetwork=self._batch_subnetwork_planner(params, limit),
                 capture_points=self.planner.uses_window,
                 slots=slots,

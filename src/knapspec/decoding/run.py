@@ -18,6 +18,7 @@ import torch
 
 from knapspec.costmodels.base import LatencyObservation
 from knapspec.decoding.greedy import greedy_ids
+from knapspec.decoding.row import Row
 from knapspec.decoding.sampler import TokenSampler
 from knapspec.decoding.stats import GenerationStats, PlanRecord
 from knapspec.decoding.tree_round import TreeRoundParts, verify_tree_round
@@ -125,8 +126,6 @@ class Run:
         self.prompt = request.prompt.to(engine.device)
         self.streamer = request.streamer
         self.sampler = TokenSampler.for_request(request, engine.device)
-        self.stats = GenerationStats(prompt_tokens=request.prompt_tokens)
-        self.output: list[int] = []
         self.uses_window = planner.uses_window
         self.proposal_names = planner.proposal_drafters()
         self.proposers = (
@@ -134,6 +133,10 @@ class Run:
             if proposers is not None
             else [self.drafters[name] for name in sorted(self.proposal_names)]
         )
+        #: The sequence's request, output and counters (its commits).
+        self.row = Row(request, self.sampler, self.proposers)
+        self.stats: GenerationStats = self.row.stats
+        self.output: list[int] = self.row.output
         self.synchronize = self.engine.device.type == "cuda"
         #: Token trees need the engine's tree pass, and a logits processor sees one
         #: sequence per row (a tree's rows follow different paths).
@@ -302,23 +305,14 @@ class Run:
         return self.planner.wants_window(self.sequence[:committed])
 
     def _finished(self) -> bool:
-        if self.request.remaining(len(self.output)) <= 0:
-            self.stats.stop_reason = self.stats.stop_reason or "max_new_tokens"
-            return True
-        return bool(self.stats.stop_reason)
+        """Whether the sequence has stopped (:meth:`Row.commit` says why)."""
+        return self.row.stopped
 
     def _commit(self, tokens: list[int]) -> int:
         """Append tokens up to the limit / first stop token; stream them. Returns the count."""
-        stop_ids = self.request.stop_ids
-        kept: list[int] = []
-        for token in tokens[: self.request.remaining(len(self.output))]:
-            kept.append(token)
-            if token in stop_ids:
-                self.stats.stop_reason = "eos"
-                break
-        start = self.prompt.numel() + len(self.output)
-        self.sequence[start : start + len(kept)] = torch.tensor(kept, dtype=torch.long)
-        self.output.extend(kept)
+        kept = self.row.commit(tokens)
+        end = self.prompt.numel() + len(self.output)
+        self.sequence[end - len(kept) : end] = torch.tensor(kept, dtype=torch.long)
         if self.streamer is not None and kept:
             self.streamer.put(torch.tensor(kept, dtype=torch.long))  # type: ignore[no-untyped-call]
         return len(kept)
