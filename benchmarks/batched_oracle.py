@@ -50,7 +50,7 @@ from knapspec.bench.env import environment, kernel_record
 from knapspec.bench.prompts import chat_prompt
 from knapspec.bench.records import append_jsonl
 from knapspec.bench.specbench.questions import load_questions, packaged_questions
-from knapspec.decoding.continuous import ContinuousBatch, RowRequest, RowUpdate
+from knapspec.decoding.continuous import ContinuousBatch, RowUpdate
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.drafters import DraftRequest, LookupConfig, LookupDrafter
 from knapspec.model.provision import load_model_and_tokenizer
@@ -58,6 +58,7 @@ from knapspec.planners.batch.policy import (
     BatchDraftPolicy,
     FixedLookupBatchPolicy,
 )
+from knapspec.request import Request
 from knapspec.types import Draft
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -198,7 +199,7 @@ def run_batch(
     def admit() -> None:
         while queue and len(live) < clients:
             index, prompt = queue.pop(0)
-            update = batch.add(RowRequest(prompt, max_new_tokens, stop_ids))
+            update = batch.add(Request(prompt, max_new_tokens, stop_ids=stop_ids))
             answers[index] = list(update.tokens)
             if not update.stop_reason:
                 live[update.lane] = index

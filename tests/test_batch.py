@@ -111,8 +111,9 @@ def _check_cache(run: BatchRun, cache: BatchKVCache, active: list[int]) -> None:
     """Every active row caches exactly its committed tokens but the pending one, and their
     K/V equal a single-sequence prefill of that row's committed sequence."""
     engine = run.engine
-    for slot, row in enumerate(active):
-        committed = torch.cat([run.prompts[row], torch.tensor(run.outputs[row][:-1])])
+    for slot, index in enumerate(active):
+        row = run.rows[index]
+        committed = torch.cat([row.request.prompt, torch.tensor(row.output[:-1])])
         assert cache.lengths[slot] == committed.numel()
         single = engine.new_cache(64)
         engine.forward(committed, 0, single, all_logits=False)
@@ -129,10 +130,11 @@ def checked_rounds(monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[int, int]
     rounds: list[list[tuple[int, int]]] = []
     original = BatchRun._round
 
-    def checked_round(self, active, cache, pending, lengths):  # type: ignore[no-untyped-def]
-        before = [(self.stats[r].drafted_tokens, self.stats[r].accepted_tokens) for r in active]
-        original(self, active, cache, pending, lengths)
-        after = [(self.stats[r].drafted_tokens, self.stats[r].accepted_tokens) for r in active]
+    def checked_round(self, active, cache):  # type: ignore[no-untyped-def]
+        stats = [self.rows[r].stats for r in active]
+        before = [(s.drafted_tokens, s.accepted_tokens) for s in stats]
+        original(self, active, cache)
+        after = [(s.drafted_tokens, s.accepted_tokens) for s in stats]
         rounds.append(
             [(d1 - d0, a1 - a0) for (d0, a0), (d1, a1) in zip(before, after, strict=True)]
         )
@@ -579,6 +581,11 @@ def test_a_retirement_moves_only_the_last_rows_into_the_holes() -> None:
             self.stop_reason = stop
             self.wall_time_s = 0.0
 
+    class _Row:
+        def __init__(self, stop: str) -> None:
+            self.stats = _Stats(stop)
+            self.stopped = bool(stop)
+
     class _Cache:
         def __init__(self) -> None:
             self.kept: list[int] = []
@@ -588,7 +595,7 @@ def test_a_retirement_moves_only_the_last_rows_into_the_holes() -> None:
 
     bare = object.__new__(BatchRun)
     stopped = {11, 13}
-    bare.stats = {row: _Stats("eos" if row in stopped else "") for row in active}  # type: ignore[assignment]
+    bare.rows = {row: _Row("eos" if row in stopped else "") for row in active}  # type: ignore[assignment]
     bare._now = lambda: 1.0  # type: ignore[method-assign]
     cache = _Cache()
     bare._retire(active, cache, 0.0)  # type: ignore[arg-type]

@@ -112,9 +112,9 @@ def test_the_subnetwork_mask_comes_from_the_planner_on_the_first_row() -> None:
     seen: list[BatchSubnetwork | None] = []
     original = BatchRun._round
 
-    def spy(self, active, cache, pending, lengths):  # type: ignore[no-untyped-def]
+    def spy(self, active, cache):  # type: ignore[no-untyped-def]
         seen.append(self.subnetwork)
-        original(self, active, cache, pending, lengths)
+        original(self, active, cache)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(BatchRun, "_round", spy)

@@ -56,10 +56,10 @@ def test_a_finished_row_hands_its_slot_to_a_waiting_prompt(
     actives: list[list[int]] = []
     original = BatchRun._round
 
-    def checked_round(self, active, cache, pending, lengths):  # type: ignore[no-untyped-def]
+    def checked_round(self, active, cache):  # type: ignore[no-untyped-def]
         actives.append(list(active))
         assert cache.rows == len(active) <= 2
-        original(self, active, cache, pending, lengths)
+        original(self, active, cache)
         _check_cache(self, cache, active)
 
     monkeypatch.setattr(BatchRun, "_round", checked_round)

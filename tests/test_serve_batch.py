@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from knapspec import SpeculativeDecoder
-from knapspec.decoding.continuous import CANCELLED, FAILED, RowRequest
+from knapspec.decoding.continuous import CANCELLED, FAILED
+from knapspec.request import Request
 from knapspec.sampling import SamplingParams
 from knapspec.testing.models import tiny_llama
 
@@ -29,7 +30,7 @@ def _prompts(count: int, seed: int = 1) -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in lengths]
 
 
-def _alone(decoder: SpeculativeDecoder, request: RowRequest) -> list[int]:
+def _alone(decoder: SpeculativeDecoder, request: Request) -> list[int]:
     sampling = attrs.evolve(request.sampling, seed=request.seed)
     result = decoder.generate(
         request.prompt, max_new_tokens=request.max_new_tokens, sampling=sampling
@@ -38,7 +39,7 @@ def _alone(decoder: SpeculativeDecoder, request: RowRequest) -> list[int]:
     return tokens
 
 
-def _drive(decoder: SpeculativeDecoder, requests: list[RowRequest], lanes: int) -> list[Outcome]:
+def _drive(decoder: SpeculativeDecoder, requests: list[Request], lanes: int) -> list[Outcome]:
     """Feed ``requests`` through ``lanes`` rows as lanes free up; per request, its tokens
     and stop reason."""
     batch = decoder.continuous_batch(lanes, 160)
@@ -66,8 +67,8 @@ def test_rows_joining_and_leaving_equal_each_prompt_alone(prefix_cache_mib: floa
     decoder = _decoder(prefix_cache_mib)
     prompts = _prompts(7)
     sampled = SamplingParams(do_sample=True, temperature=0.8, top_p=0.9)
-    requests = [RowRequest(p, 12 + 5 * i) for i, p in enumerate(prompts)]
-    requests += [RowRequest(p, 25, sampling=sampled, seed=40 + i) for i, p in enumerate(prompts)]
+    requests = [Request(p, 12 + 5 * i) for i, p in enumerate(prompts)]
+    requests += [Request(p, 25, sampling=sampled, seed=40 + i) for i, p in enumerate(prompts)]
     alone = [_alone(decoder, request) for request in requests]
     together = _drive(decoder, requests, lanes=3)
     assert [tokens for tokens, _ in together] == alone
@@ -77,9 +78,9 @@ def test_rows_joining_and_leaving_equal_each_prompt_alone(prefix_cache_mib: floa
 def test_stop_ids_and_limits_are_per_row() -> None:
     decoder = _decoder()
     prompt = _prompts(1)[0]
-    free = _alone(decoder, RowRequest(prompt, 20))
+    free = _alone(decoder, Request(prompt, 20))
     stop = free[6]
-    requests = [RowRequest(prompt, 20, stop_ids=frozenset({stop})), RowRequest(prompt, 9)]
+    requests = [Request(prompt, 20, stop_ids=frozenset({stop})), Request(prompt, 9)]
     (stopped, reason), (limited, limit_reason) = _drive(decoder, requests, lanes=2)
     assert stopped == free[: free.index(stop) + 1] and reason == "eos"
     assert limited == free[:9] and limit_reason == "max_new_tokens"
@@ -89,17 +90,17 @@ def test_a_cancelled_row_frees_its_lane() -> None:
     decoder = _decoder()
     first, second = _prompts(2)
     batch = decoder.continuous_batch(1, 160)
-    lane = batch.add(RowRequest(first, 100)).lane
+    lane = batch.add(Request(first, 100)).lane
     batch.step()
     assert batch.free_lanes == 0
     batch.cancel(lane)
     assert batch.free_lanes == 1 and not batch.active
-    assert batch.stats[lane].stop_reason == CANCELLED
-    update = batch.add(RowRequest(second, 10))
+    assert batch.rows[lane].stats.stop_reason == CANCELLED
+    update = batch.add(Request(second, 10))
     tokens = list(update.tokens)
     while batch.active:
         tokens += [t for u in batch.step() for t in u.tokens]
-    assert tokens == _alone(decoder, RowRequest(second, 10))
+    assert tokens == _alone(decoder, Request(second, 10))
 
 
 def test_a_row_with_nan_logits_mid_decode_fails_alone() -> None:
@@ -107,7 +108,7 @@ def test_a_row_with_nan_logits_mid_decode_fails_alone() -> None:
     with ``"error"`` at that round; a row that never sees the token goes on unharmed."""
     decoder = _decoder()
     prompts = _prompts(7, seed=3)
-    outputs = [_alone(decoder, RowRequest(p, 16)) for p in prompts]
+    outputs = [_alone(decoder, Request(p, 16)) for p in prompts]
     for victim, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
         poison = output[2]
         others = [
@@ -124,7 +125,7 @@ def test_a_row_with_nan_logits_mid_decode_fails_alone() -> None:
         embeddings[poison] = float("nan")
     try:
         results = _drive(
-            decoder, [RowRequest(prompts[victim], 16), RowRequest(prompts[bystander], 16)], 2
+            decoder, [Request(prompts[victim], 16), Request(prompts[bystander], 16)], 2
         )
     finally:
         with torch.no_grad():

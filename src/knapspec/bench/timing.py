@@ -143,11 +143,11 @@ def batched_round_seconds(
     """Seconds of ``timed`` batched rounds over ``prompts`` (one row each, in one
     continuous batch) after ``warm`` untimed rounds; the rows' limit leaves room for all
     of them. With the autoregressive planner every round is a plain one."""
-    from knapspec.decoding.continuous import RowRequest
+    from knapspec.request import Request
 
     batch = decoder.continuous_batch(len(prompts), 2048)
     for prompt in prompts:
-        batch.add(RowRequest(list(prompt), warm + timed + 8))
+        batch.add(Request(list(prompt), warm + timed + 8))
     for _ in range(warm):
         batch.step()
     seconds = []

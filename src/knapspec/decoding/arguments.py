@@ -3,64 +3,14 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-import attrs
 import torch
 
-from knapspec.decoding.sampler import TokenSampler, resolve_seed
+from knapspec.decoding.sampler import resolve_seed
 from knapspec.model.engine import ContextLengthError, SublayerEngine
+from knapspec.request import new_token_limit, sampling_params, stop_set
 from knapspec.sampling import SamplingParams
-
-
-def sampling_params(sampling: SamplingParams | Mapping[str, Any]) -> SamplingParams:
-    """``sampling`` as :class:`SamplingParams` (a dict gives its fields)."""
-    if isinstance(sampling, SamplingParams):
-        return sampling
-    if isinstance(sampling, Mapping):
-        fields = {field.name for field in attrs.fields(SamplingParams)}
-        unknown = sorted(str(key) for key in sampling if key not in fields)
-        if unknown:
-            raise TypeError(
-                f"sampling: unknown field(s) {', '.join(unknown)}; valid: {', '.join(fields)}"
-            )
-        return SamplingParams(**sampling)
-    raise TypeError(
-        f"sampling must be a SamplingParams or a dict of its fields, got {type(sampling).__name__}"
-    )
-
-
-def stop_set(eos_token_id: int | Sequence[int] | torch.Tensor | None) -> frozenset[int]:
-    """The stop token ids as a set (None: no stop token)."""
-    if eos_token_id is None:
-        return frozenset()
-    if isinstance(eos_token_id, torch.Tensor):
-        values: list[Any] = eos_token_id.flatten().tolist()
-    elif isinstance(eos_token_id, (str, bytes)) or not isinstance(eos_token_id, Sequence):
-        values = [eos_token_id]
-    else:
-        values = list(eos_token_id)
-    for value in values:
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-            raise TypeError(
-                f"eos_token_id must be a token id (an integer), a sequence of them or a "
-                f"tensor; got {type(value).__name__} {value!r}"
-            )
-    return frozenset(int(value) for value in values)
-
-
-def new_token_limit(max_new_tokens: object) -> int:
-    """``max_new_tokens`` checked: an integer (numpy integers too) >= 1."""
-    if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool):
-        raise TypeError(
-            f"max_new_tokens must be an integer, got {type(max_new_tokens).__name__} "
-            f"{max_new_tokens!r}"
-        )
-    limit = int(max_new_tokens)
-    if limit < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {limit}")
-    return limit
 
 
 def batch_rows_limit(max_batch_rows: object) -> int | None:
@@ -184,21 +134,18 @@ def is_batch(input_ids: object) -> bool:
     )
 
 
-def row_samplers(
-    params: SamplingParams, rows: int, seeds: Sequence[int] | None, device: torch.device
-) -> list[TokenSampler]:
-    """One :class:`TokenSampler` per row.
+def row_seeds(params: SamplingParams, rows: int, seeds: Sequence[int] | None) -> list[int]:
+    """Per row of a batch, the seed it samples with (resolved now, in row order).
 
-    Row ``r`` samples with seed ``seeds[r]``, else ``params.seed + r``, else a fresh seed
-    drawn from torch's global RNG (so ``torch.manual_seed`` makes the call reproducible).
+    Row ``r`` samples with seed ``seeds[r]`` (mod ``2**64``), else ``params.seed + r``,
+    else a fresh seed drawn from torch's global RNG (so ``torch.manual_seed`` makes the
+    call reproducible); greedy rows draw nothing.
     """
     if seeds is not None and len(seeds) != rows:
         raise ValueError(f"seeds has {len(seeds)} entries for a batch of {rows} rows")
-    samplers = []
-    for row in range(rows):
-        seed = int(seeds[row]) % 2**64 if seeds is not None else resolve_seed(params, row)
-        samplers.append(TokenSampler(params, seed, device))
-    return samplers
+    if seeds is not None:
+        return [int(seed) % 2**64 for seed in seeds]
+    return [resolve_seed(params, row) for row in range(rows)]
 
 
 __all__ = [
@@ -207,7 +154,7 @@ __all__ = [
     "check_batch_context",
     "is_batch",
     "new_token_limit",
-    "row_samplers",
+    "row_seeds",
     "sampling_params",
     "single_prompt",
     "stop_set",

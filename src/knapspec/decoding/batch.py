@@ -48,6 +48,7 @@ import attrs
 import torch
 
 from knapspec.decoding.arguments import batch_prompts
+from knapspec.decoding.row import Row
 from knapspec.decoding.run import PREFILL_WINDOW_TOKENS
 from knapspec.decoding.sampler import TokenSampler
 from knapspec.decoding.stats import GenerationStats
@@ -55,7 +56,7 @@ from knapspec.drafters.base import NO_DRAFT, BatchDraftRequest, Draft, Drafter, 
 from knapspec.errors import NonFiniteLogitsError
 from knapspec.model.batched import forward_batch, new_batch_cache
 from knapspec.planners.batch.policy import BatchDraftPolicy, BatchSubnetwork, RoundPlan
-from knapspec.sampling import SamplingParams
+from knapspec.request import Request
 from knapspec.validators import check_finite
 
 if TYPE_CHECKING:
@@ -119,14 +120,15 @@ class BatchRun:
     Args:
         engine: the decoder's engine.
         scratch: a single-sequence cache each prompt is prefilled in, one at a time.
-        prompts: the rows' prompts (checked by :func:`batch_prompts`).
+        requests: per row, what it decodes (prompt, ``max_new_tokens``, sampling, stop
+            ids, seed); each becomes a :class:`~knapspec.decoding.row.Row` here (its
+            sampler, its drafter copies), in row order.
         policy: chooses each row's γ per round.
         drafters: by registered name, the decoder's drafters: those in ``proposers`` are
             copied per row (``for_row``), the one the sub-network plan names drafts the
             rows together (``propose_batch``).
         proposers: the drafters that propose before every round (the planner's
             ``proposal_drafters()``).
-        samplers: per row, how it picks and verifies tokens (its seed).
         plan_subnetwork: chooses the sub-network on the first row (None: lookup only).
         capture_points: the first row's prefill records the item points (the planner
             reads them as its reference window).
@@ -142,16 +144,12 @@ class BatchRun:
         self,
         engine: SublayerEngine,
         scratch: KVCache,
-        prompts: list[torch.Tensor],
+        requests: list[Request],
         *,
-        max_new_tokens: int,
-        stop_ids: frozenset[int],
-        params: SamplingParams,
         policy: BatchDraftPolicy,
         max_draft_length: int,
         drafters: Mapping[str, Drafter],
         proposers: Iterable[str] = (),
-        samplers: list[TokenSampler],
         plan_subnetwork: SubnetworkPlanner | None = None,
         capture_points: bool = False,
         slots: int | None = None,
@@ -160,26 +158,28 @@ class BatchRun:
         self.engine = engine
         self.prefix_cache = prefix_cache
         self.scratch = scratch
-        self.prompts = prompts
-        self.max_new_tokens = max_new_tokens
-        self.stop_ids = stop_ids
-        self.params = params
         self.policy = policy
         self.max_draft_length = max_draft_length
-        self.samplers = samplers
         self.plan_subnetwork = plan_subnetwork
         self.capture_points = capture_points
         self.subnetwork: BatchSubnetwork | None = None
-        count = len(prompts)
+        count = len(requests)
         self.slots = count if slots is None else max(1, min(slots, count))
         self.shared_drafters = drafters
         names = sorted(proposers)
-        self.drafters = [[drafters[name].for_row(engine) for name in names] for _ in range(count)]
-        for column in zip(*self.drafters, strict=True):  # one drafter kind, every row
+        #: Per row (a lane of a continuous batch), its request and all it has done.
+        self.rows = [
+            Row(
+                request,
+                TokenSampler.for_request(request, engine.device),
+                [drafters[name].for_row(engine) for name in names],
+            )
+            for request in requests
+        ]
+        columns = zip(*(row.drafters for row in self.rows), strict=True)
+        for column in columns:  # one drafter kind, every row
             for drafter in column:
                 drafter.share_rows(column)
-        self.stats = [GenerationStats(prompt_tokens=p.numel()) for p in prompts]
-        self.outputs: list[list[int]] = [[] for _ in range(count)]
         self.synchronize = engine.device.type == "cuda"
 
     def _now(self) -> float:
@@ -195,15 +195,7 @@ class BatchRun:
         self, row: int, logits: torch.Tensor, position: int
     ) -> tuple[int, torch.Tensor | None]:
         """``row``'s token at ``position`` and, when sampled, its distribution."""
-        return self.samplers[row].choose(logits, position)
-
-    def _token_limit(self, row: int) -> int:
-        """``row``'s ``max_new_tokens`` (one for every row here; a server's rows differ)."""
-        return self.max_new_tokens
-
-    def _stop_ids(self, row: int) -> frozenset[int]:
-        """``row``'s stop token ids (the same for every row here)."""
-        return self.stop_ids
+        return self.rows[row].sampler.choose(logits, position)
 
     def _failed_rows(self, active: list[int], logits: torch.Tensor, widths: list[int]) -> set[int]:
         """Slots of ``active`` whose verification ``logits`` (packed, ``widths`` per row)
@@ -212,56 +204,44 @@ class BatchRun:
         check_finite(logits, "batched verification", error=NonFiniteLogitsError.during)
         return set()
 
-    def _commit(self, row: int, tokens: list[int]) -> int:
-        """Append up to the limit / first stop token; returns how many were kept."""
-        output, stats, limit = self.outputs[row], self.stats[row], self._token_limit(row)
-        kept: list[int] = []
-        for token in tokens[: limit - len(output)]:
-            kept.append(token)
-            if token in self._stop_ids(row):
-                stats.stop_reason = "eos"
-                break
-        output.extend(kept)
-        if not stats.stop_reason and len(output) >= limit:
-            stats.stop_reason = "max_new_tokens"
-        return len(kept)
-
     def execute(self) -> BatchGenerationResult:
-        engine, prompts = self.engine, self.prompts
+        engine, rows = self.engine, self.rows
         start_time = self._now()
-        capacity = max(p.numel() for p in prompts) + self.max_new_tokens + self.max_draft_length
-        cache = new_batch_cache(engine, self.slots, capacity)
+        longest = max(row.request.prompt_tokens + row.request.max_new_tokens for row in rows)
+        cache = new_batch_cache(engine, self.slots, longest + self.max_draft_length)
         cache.keep([])  # no active row yet: each prompt enters through _admit
-        self.policy.reset(len(prompts))
+        self.policy.reset(len(rows))
         self.policy.use_subnetwork(None)
-        pending = [0] * len(prompts)  # per row, its last token (no K/V yet)
-        waiting = deque(range(len(prompts)))
+        waiting = deque(range(len(rows)))
         active: list[int] = []  # batch rows, in cache order
-        lengths = [p.numel() for p in prompts]  # committed tokens with K/V cached
         while True:
             self._retire(active, cache, start_time)
             if waiting and len(active) < self.slots:
-                self._admit(waiting.popleft(), cache, active, pending)
+                self._admit(waiting.popleft(), cache, active)
                 continue  # a row may stop on its first token: retire before the next
             if not active:
                 break
-            self._round(active, cache, pending, lengths)
+            self._round(active, cache)
         wall = self._now() - start_time
-        for row, stats in enumerate(self.stats):
-            stats.new_tokens = len(self.outputs[row])
-        tokens = [torch.tensor(out, dtype=torch.long) for out in self.outputs]
-        sequences = [torch.cat([p, t]).unsqueeze(0) for p, t in zip(prompts, tokens, strict=True)]
-        return BatchGenerationResult(tokens, sequences, self.stats, wall)
+        for row in rows:
+            row.stats.new_tokens = len(row.output)
+        tokens = [torch.tensor(row.output, dtype=torch.long) for row in rows]
+        sequences = [
+            torch.cat([row.request.prompt, t]).unsqueeze(0)
+            for row, t in zip(rows, tokens, strict=True)
+        ]
+        return BatchGenerationResult(tokens, sequences, [row.stats for row in rows], wall)
 
-    def _admit(self, row: int, cache: BatchKVCache, active: list[int], pending: list[int]) -> None:
-        """Prefill ``row``'s prompt alone, move its K/V into a free slot of ``cache`` and
-        commit its first token; the first row admitted also plans the sub-network."""
-        engine, prompt = self.engine, self.prompts[row]
+    def _admit(self, index: int, cache: BatchKVCache, active: list[int]) -> None:
+        """Prefill row ``index``'s prompt alone, move its K/V into a free slot of ``cache``
+        and commit its first token; the first row admitted also plans the sub-network."""
+        engine, row = self.engine, self.rows[index]
+        prompt = row.request.prompt
         started = self._now()
         prefixes = self.prefix_cache
         reused = prefixes.restore(prompt, self.scratch) if prefixes is not None else 0
         self.scratch.crop(reused)  # 0: empty
-        planning = row == 0 and self.plan_subnetwork is not None
+        planning = index == 0 and self.plan_subnetwork is not None
         capture = planning and self.capture_points
         new = prompt.numel() - reused
         out = engine.forward(
@@ -272,36 +252,36 @@ class BatchRun:
             capture_points=capture,
             capture_last=min(PREFILL_WINDOW_TOKENS, new) if capture else None,
         )
-        self.stats[row].cached_prompt_tokens = reused
+        row.stats.cached_prompt_tokens = reused
         if prefixes is not None:
             prefixes.store(prompt, self.scratch, prompt.numel())
-        check_finite(out.logits, f"prefill of row {row}", error=NonFiniteLogitsError.during)
+        check_finite(out.logits, f"prefill of row {index}", error=NonFiniteLogitsError.during)
         cache.append_row(self.scratch, prompt.numel())
-        active.append(row)
-        token = self._choose(row, out.logits[-1], prompt.numel())
-        pending[row] = token
-        self._commit(row, [token])
-        for drafter in self.drafters[row]:
+        active.append(index)
+        token = self._choose(index, out.logits[-1], prompt.numel())
+        row.pending = token
+        row.commit([token])
+        for drafter in row.drafters:
             drafter.reset([*prompt.tolist(), token])
-        self.stats[row].prefill_time_s = self._now() - started
+        row.stats.prefill_time_s = self._now() - started
         if planning and self.plan_subnetwork is not None:
             # The scratch cache still holds this row's prefill: the planner reads it.
             plan_start = self._now()
             self.subnetwork = self.plan_subnetwork(prompt, self.scratch, out)
             self.policy.use_subnetwork(self.subnetwork)
-            self.stats[row].plan_time_s += self._now() - plan_start
+            row.stats.plan_time_s += self._now() - plan_start
 
     def _retire(self, active: list[int], cache: BatchKVCache, start_time: float) -> None:
         """Drop rows that stopped; pack the cache onto the rows still running. The last
         running rows move into the freed slots (the others stay put), so a retirement
         copies one row's K/V per freed slot, not every row behind it."""
-        running = [slot for slot, row in enumerate(active) if not self.stats[row].stop_reason]
+        running = [slot for slot, index in enumerate(active) if not self.rows[index].stopped]
         if len(running) == len(active):
             return
         now = self._now()
-        for row in active:
-            if self.stats[row].stop_reason:
-                self.stats[row].wall_time_s = now - start_time
+        for index in active:
+            if self.rows[index].stopped:
+                self.rows[index].stats.wall_time_s = now - start_time
         count = len(running)
         staying = set(running)
         movers = iter(slot for slot in running if slot >= count)
@@ -309,32 +289,26 @@ class BatchRun:
         active[:] = [active[slot] for slot in keep]
         cache.keep(keep)
 
-    def _round(
-        self, active: list[int], cache: BatchKVCache, pending: list[int], lengths: list[int]
-    ) -> None:
+    def _round(self, active: list[int], cache: BatchKVCache) -> None:
         """Draft per row, verify the batch once, commit each row's accepted tokens."""
         engine = self.engine
         started = self._now()
+        rows = [self.rows[index] for index in active]
         proposals: list[Draft] = []
         rooms: list[int] = []
-        for row in active:
-            room = min(
-                self.max_draft_length,
-                self._token_limit(row) - len(self.outputs[row]) - 1,
-                engine.max_context - lengths[row] - 1,
-            )
-            rooms.append(max(0, room))
+        for row in rows:
+            rooms.append(row.draft_room(self.max_draft_length, engine.max_context))
             # A batched round verifies chains: no drafter should build a tree for it.
-            request = DraftRequest(rooms[-1], pending[row], lengths[row], chain_only=True)
-            proposals.append(_longest(d.propose(request) for d in self.drafters[row]))
-        contexts = [lengths[row] for row in active]
+            request = DraftRequest(rooms[-1], row.pending, row.length, chain_only=True)
+            proposals.append(_longest(d.propose(request) for d in row.drafters))
+        contexts = [row.length for row in rows]
         plan = self.policy.plan_round(active, proposals, contexts, rooms)
         lookup_time = self._now() - started
-        drafts = self._drafts(active, cache, pending, contexts, proposals, plan)
+        drafts = self._drafts(active, cache, contexts, proposals, plan)
         width = 1 + max(len(d) for d in drafts)
         inputs = torch.zeros(len(active), width, dtype=torch.long)
-        for slot, row in enumerate(active):
-            row_inputs = [pending[row], *drafts[slot].tokens]
+        for slot, row in enumerate(rows):
+            row_inputs = [row.pending, *drafts[slot].tokens]
             inputs[slot, : len(row_inputs)] = torch.tensor(row_inputs)
         widths = [1 + len(d) for d in drafts]
         verify_start = self._now()
@@ -343,30 +317,29 @@ class BatchRun:
         failed = self._failed_rows(active, logits, widths)
         new_lengths = []
         offset = 0
-        for slot, row in enumerate(active):
+        for slot, (index, row) in enumerate(zip(active, rows, strict=True)):
             draft = drafts[slot]
             tokens = list(draft.tokens)
             scores = logits[offset : offset + len(tokens) + 1]
             offset += widths[slot]
             if slot in failed:  # nothing committed; the row has stopped and leaves
-                new_lengths.append(lengths[row])
+                new_lengths.append(row.length)
                 continue
-            # The pending token sits at position lengths[row]; row 0 picks the next one.
-            verdict = self.samplers[row].verify(draft, scores, lengths[row] + 1)
+            # The pending token sits at position row.length; logits row 0 picks the next one.
+            verdict = row.sampler.verify(draft, scores, row.length + 1)
             # Inputs at positions n .. n + accepted are now this row's: keep their K/V only.
-            lengths[row] += verdict.accepted + 1
-            new_lengths.append(lengths[row])
-            committed = self._commit(row, verdict.tokens)
-            kept = verdict.tokens[:committed]
-            for drafter in self.drafters[row]:
+            row.length += verdict.accepted + 1
+            new_lengths.append(row.length)
+            kept = row.commit(verdict.tokens)
+            for drafter in row.drafters:
                 drafter.extend(kept)
-            self.policy.observe(row, proposals[slot], kept)
+            self.policy.observe(index, proposals[slot], kept)
             if self.subnetwork is not None and draft.drafter == self.subnetwork.drafter and tokens:
-                self.policy.observe_subnetwork(row, len(tokens), verdict.accepted)
-            pending[row] = verdict.tokens[-1]
-            self.stats[row].lookup_time_s += lookup_time
-            self.stats[row].record_round(
-                len(tokens), verdict.accepted, committed, draft.drafter if tokens else NO_DRAFT
+                self.policy.observe_subnetwork(index, len(tokens), verdict.accepted)
+            row.pending = verdict.tokens[-1]
+            row.stats.lookup_time_s += lookup_time
+            row.stats.record_round(
+                len(tokens), verdict.accepted, len(kept), draft.drafter if tokens else NO_DRAFT
             )
         cache.set_lengths(new_lengths)
         # Not fed to the cost model: a batched pass is not a single sequence's verification
@@ -375,14 +348,13 @@ class BatchRun:
         elapsed = self._now() - verify_start
         mean_context = round(sum(contexts) / len(contexts))
         self.policy.observe_pass(len(active), width, mean_context, elapsed, widths=widths)
-        for row in active:
-            self.stats[row].verify_time_s += elapsed
+        for row in rows:
+            row.stats.verify_time_s += elapsed
 
     def _drafts(
         self,
         active: list[int],
         cache: BatchKVCache,
-        pending: list[int],
         contexts: list[int],
         proposals: list[Draft],
         plan: RoundPlan,
@@ -404,7 +376,7 @@ class BatchRun:
         request = BatchDraftRequest(
             self.engine,
             cache,
-            [pending[row] for row in active],
+            [self.rows[index].pending for index in active],
             contexts,
             steps,
             self.subnetwork.mask,
@@ -420,8 +392,8 @@ class BatchRun:
         ):
             if sub and min(gamma, steps):
                 drafts[slot] = shared[slot].truncated(min(gamma, steps))
-        for row in active:
-            self.stats[row].draft_time_s += shared[0].seconds
+        for index in active:
+            self.rows[index].stats.draft_time_s += shared[0].seconds
         return drafts
 
 

@@ -13,9 +13,9 @@ default position-keyed verification), whatever else shares the batch.
 Rows live in *lanes* ``0 .. lanes - 1`` (a lane is a ``BatchRun`` row index, reused by
 the next request): per lane, its drafters (so a lookup drafter's history holds the lane's
 earlier requests, as it holds earlier calls) and its acceptance estimates, which the next
-request in that lane starts from. Each row has its own token limit, stop ids and sampling
-parameters. A row whose logits are not finite fails alone (``"error"``); every other row
-goes on.
+request in that lane starts from. Each row has its own
+:class:`~knapspec.request.Request` (token limit, stop ids, sampling parameters, seed). A
+row whose logits are not finite fails alone (``"error"``); every other row goes on.
 
 Not thread-safe: one thread (a server's scheduler) owns a ``ContinuousBatch``; it holds
 its decoder's lock during each call, so a ``generate`` on the same decoder waits.
@@ -32,10 +32,11 @@ import attrs
 import torch
 
 from knapspec.decoding.batch import BatchRun
-from knapspec.decoding.sampler import TokenSampler, resolve_seed
+from knapspec.decoding.row import Row
+from knapspec.decoding.sampler import TokenSampler
 from knapspec.decoding.stats import GenerationStats
 from knapspec.model.batched import new_batch_cache
-from knapspec.sampling import SamplingParams
+from knapspec.request import Request, completion_room
 from knapspec.validators import all_finite
 
 if TYPE_CHECKING:
@@ -50,25 +51,6 @@ if TYPE_CHECKING:
 CANCELLED = "cancelled"
 #: ``stop_reason`` of a row whose logits were not finite (it fails alone).
 FAILED = "error"
-
-
-@attrs.frozen
-class RowRequest:
-    """What one row decodes.
-
-    Attributes:
-        prompt: token ids (at least one).
-        max_new_tokens: the row's token limit (>= 1).
-        stop_ids: token ids that end the row (kept in its output).
-        sampling: how the row picks tokens (greedy unless ``do_sample``).
-        seed: the row's sampling seed (None: ``sampling.seed``, else a fresh one).
-    """
-
-    prompt: Sequence[int]
-    max_new_tokens: int
-    stop_ids: frozenset[int] = frozenset()
-    sampling: SamplingParams = attrs.field(factory=SamplingParams)
-    seed: int | None = None
 
 
 @attrs.frozen
@@ -127,20 +109,15 @@ class ContinuousBatch(BatchRun):
                 f"capacity {capacity} leaves no room for a prompt and its drafts "
                 f"(max_draft_length {max_draft_length})"
             )
-        placeholder = torch.zeros(1, dtype=torch.long)
-        greedy = SamplingParams()
+        placeholder = Request([0], 1)  # an empty lane's, until add() gives it its own
         super().__init__(
             engine,
             scratch,
             [placeholder] * lanes,
-            max_new_tokens=1,
-            stop_ids=frozenset(),
-            params=greedy,
             policy=policy,
             max_draft_length=max_draft_length,
             drafters=drafters,
             proposers=proposers,
-            samplers=[TokenSampler(greedy, 0, engine.device) for _ in range(lanes)],
             plan_subnetwork=plan_subnetwork,
             capture_points=capture_points,
             slots=lanes,
@@ -149,17 +126,12 @@ class ContinuousBatch(BatchRun):
         self.lanes = lanes
         self.capacity = capacity
         self._lock = lock
-        self._limits = [1] * lanes
-        self._row_stops = [frozenset[int]()] * lanes
         self._cache = new_batch_cache(engine, lanes, capacity)
         self._cache.keep([])
         self.policy.reset(lanes)
         self.policy.use_subnetwork(None)
         self._active: list[int] = []  # lanes, in cache order
         self._free = list(range(lanes))
-        self._pending = [0] * lanes
-        self._lengths = [0] * lanes
-        self._reported = [0] * lanes
         self._start = time.perf_counter()
 
     # ------------------------------------------------------------------ state
@@ -174,43 +146,35 @@ class ContinuousBatch(BatchRun):
         return len(self._free)
 
     def room(self, prompt_tokens: int) -> int:
-        """The most new tokens a row with ``prompt_tokens`` prompt tokens may ask for."""
-        return self.capacity - prompt_tokens - self.max_draft_length - 1
+        """The most new tokens a row with ``prompt_tokens`` prompt tokens may ask for
+        (:func:`~knapspec.request.completion_room` of a row of :attr:`capacity`)."""
+        return completion_room(self.capacity, prompt_tokens, self.max_draft_length)
 
     # ------------------------------------------------------------------ calls
-    def add(self, request: RowRequest) -> RowUpdate:
-        """Prefill ``request``'s prompt alone, give it a lane and commit its first token.
+    def add(self, request: Request) -> RowUpdate:
+        """Prefill ``request``'s prompt alone, give it a lane and commit its first token
+        (its ``streamer`` and ``logits_processor`` are not used: a batch row has none).
 
         Raises:
             RuntimeError: no free lane.
-            ValueError: an empty prompt, a limit below 1, or no room for prompt + limit.
+            ValueError: no room for prompt + ``max_new_tokens`` in a row.
             NonFiniteLogitsError: the prefill's logits were not finite (the row is not
                 added; the batch is unharmed).
         """
         if not self._free:
             raise RuntimeError("no free lane: every row of the batch is decoding")
-        prompt = torch.tensor(list(request.prompt), dtype=torch.long)
-        if prompt.numel() < 1:
-            raise ValueError("the prompt is empty")
-        if request.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
-        if request.max_new_tokens > self.room(prompt.numel()):
+        prompt_tokens = request.prompt_tokens
+        if request.max_new_tokens > self.room(prompt_tokens):
             raise ValueError(
-                f"{prompt.numel()} prompt tokens + {request.max_new_tokens} new tokens do not "
+                f"{prompt_tokens} prompt tokens + {request.max_new_tokens} new tokens do not "
                 f"fit a row of {self.capacity} tokens (draft room {self.max_draft_length})"
             )
         lane = self._free[0]
-        seed = request.seed % 2**64 if request.seed is not None else resolve_seed(request.sampling)
-        self.prompts[lane] = prompt
-        self.samplers[lane] = TokenSampler(request.sampling, seed, self.engine.device)
-        self.stats[lane] = GenerationStats(prompt_tokens=prompt.numel())
-        self.outputs[lane] = []
-        self._limits[lane] = request.max_new_tokens
-        self._row_stops[lane] = request.stop_ids
-        self._lengths[lane] = prompt.numel()
-        self._reported[lane] = 0
+        # A new row in the lane; the lane's drafters (and their history) stay.
+        sampler = TokenSampler.for_request(request, self.engine.device)
+        self.rows[lane] = Row(request, sampler, self.rows[lane].drafters)
         with self._lock, torch.inference_mode():
-            self._admit(lane, self._cache, self._active, self._pending)
+            self._admit(lane, self._cache, self._active)
         self._free.remove(lane)
         # The sub-network is planned once, on the first row ever admitted (BatchRun plans
         # on row 0 of each call; here lane 0 returns with every later request).
@@ -221,8 +185,8 @@ class ContinuousBatch(BatchRun):
 
     def cancel(self, lane: int) -> None:
         """Stop ``lane``'s row; it leaves the batch before the next round."""
-        if lane in self._active and not self.stats[lane].stop_reason:
-            self.stats[lane].stop_reason = CANCELLED
+        if lane in self._active and not self.rows[lane].stopped:
+            self.rows[lane].stats.stop_reason = CANCELLED
         self._retire_stopped()
 
     def step(self) -> list[RowUpdate]:
@@ -233,18 +197,12 @@ class ContinuousBatch(BatchRun):
         if not rows:
             return []
         with self._lock, torch.inference_mode():
-            self._round(self._active, self._cache, self._pending, self._lengths)
+            self._round(self._active, self._cache)
         updates = [self._update(lane) for lane in rows]
         self._retire_stopped()
         return updates
 
-    # ------------------------------------------------------------------ BatchRun hooks
-    def _token_limit(self, row: int) -> int:
-        return self._limits[row]
-
-    def _stop_ids(self, row: int) -> frozenset[int]:
-        return self._row_stops[row]
-
+    # ------------------------------------------------------------------ BatchRun hook
     def _failed_rows(self, active: list[int], logits: torch.Tensor, widths: list[int]) -> set[int]:
         """Rows whose verification logits are not finite stop with ``"error"``; the others
         commit as usual (a row's logits depend on its own tokens and K/V only)."""
@@ -258,21 +216,19 @@ class ContinuousBatch(BatchRun):
         for slot, width in enumerate(widths):
             if not all(finite[offset : offset + width]):
                 failed.add(slot)
-                self.stats[active[slot]].stop_reason = FAILED
+                self.rows[active[slot]].stats.stop_reason = FAILED
             offset += width
         return failed
 
     # ------------------------------------------------------------------ helpers
     def _update(self, lane: int) -> RowUpdate:
-        output = self.outputs[lane]
-        new = output[self._reported[lane] :]
-        self._reported[lane] = len(output)
-        stats = self.stats[lane]
-        stats.new_tokens = len(output)
-        return RowUpdate(lane, list(new), stats.stop_reason, stats)
+        row = self.rows[lane]
+        new = row.unreported()
+        row.stats.new_tokens = len(row.output)
+        return RowUpdate(lane, new, row.stats.stop_reason, row.stats)
 
     def _retire_stopped(self) -> None:
-        stopped = [lane for lane in self._active if self.stats[lane].stop_reason]
+        stopped = [lane for lane in self._active if self.rows[lane].stopped]
         if not stopped:
             return
         self._retire(self._active, self._cache, self._start)
@@ -280,4 +236,4 @@ class ContinuousBatch(BatchRun):
         self._free.sort()
 
 
-__all__ = ["CANCELLED", "FAILED", "ContinuousBatch", "RowRequest", "RowUpdate"]
+__all__ = ["CANCELLED", "FAILED", "ContinuousBatch", "RowUpdate"]

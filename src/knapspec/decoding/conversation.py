@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import attrs
 import torch
 
-from knapspec.decoding.arguments import new_token_limit, sampling_params, single_prompt, stop_set
-from knapspec.decoding.run import GenerationResult, LogitsProcessor
-from knapspec.decoding.run_builder import decoder_run
+from knapspec.decoding.arguments import single_prompt
+from knapspec.decoding.run import GenerationResult, LogitsProcessor, Run
+from knapspec.request import Request
 from knapspec.window import WindowBuffer
 
 if TYPE_CHECKING:
@@ -235,7 +235,9 @@ class Conversation:
                 eos_token_id = tokenizer.eos_token_id
             try:
                 turn = self._run(
-                    ids, max_new_tokens, eos_token_id, sampling, streamer, logits_processor
+                    self._request(
+                        ids, max_new_tokens, eos_token_id, sampling, streamer, logits_processor
+                    )
                 )
             except KeyboardInterrupt:
                 # The tokens committed before the interrupt stay as the reply.
@@ -266,7 +268,9 @@ class Conversation:
         """
         with self._turn():
             return self._run(
-                input_ids, max_new_tokens, eos_token_id, sampling, streamer, logits_processor
+                self._request(
+                    input_ids, max_new_tokens, eos_token_id, sampling, streamer, logits_processor
+                )
             )
 
     def reset(self) -> None:
@@ -315,7 +319,7 @@ class Conversation:
             self._indexed = 0
         return self._proposers
 
-    def _run(
+    def _request(
         self,
         input_ids: torch.Tensor | Sequence[int],
         max_new_tokens: int,
@@ -323,32 +327,37 @@ class Conversation:
         sampling: SamplingParams | Mapping[str, Any] | None,
         streamer: BaseStreamer | None,
         logits_processor: LogitsProcessor | None,
-    ) -> ConversationTurn:
+    ) -> Request:
+        """A turn's :class:`~knapspec.request.Request` (sampling: the decoder's default)."""
+        decoder = self._decoder
+        self._check_engine(decoder)
+        return Request(
+            single_prompt(input_ids, decoder.engine),
+            max_new_tokens,
+            decoder.sampling if sampling is None else sampling,
+            eos_token_id,
+            streamer=streamer,
+            logits_processor=logits_processor,
+        )
+
+    def _run(self, request: Request) -> ConversationTurn:
         decoder = self._decoder
         self._partial = []
         self._check_engine(decoder)
-        engine = decoder.engine
-        prompt = single_prompt(input_ids, engine)
-        limit = new_token_limit(max_new_tokens)
-        engine.check_context(prompt.numel() + limit)  # before anything changes
-        params = sampling_params(sampling) if sampling is not None else decoder.sampling
-        stop_ids = stop_set(eos_token_id)
+        prompt = request.prompt
+        # Before anything changes.
+        decoder.engine.check_context(prompt.numel() + request.max_new_tokens)
         shared = common_prefix_length(self._tokens, prompt)
         reused = min(shared, self._cached, prompt.numel() - 1)
         dropped = self._cached - reused
         with decoder.lock:
             proposers = self._proposers_for(decoder)
             indexed = self._indexed if shared >= self._indexed else 0
-            run = decoder_run(
+            run = Run(
                 decoder,
                 self._cache,
                 self._window,
-                prompt,
-                limit,
-                stop_ids,
-                params,
-                streamer,
-                logits_processor,
+                request,
                 reused_tokens=reused,
                 proposers=proposers,
                 indexed_tokens=indexed,

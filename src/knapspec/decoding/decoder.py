@@ -38,7 +38,7 @@ from knapspec.decoding.arguments import (
     check_batch_context,
     is_batch,
     new_token_limit,
-    row_samplers,
+    row_seeds,
     sampling_params,
     single_prompt,
     stop_set,
@@ -51,8 +51,7 @@ from knapspec.decoding.batch import (
 from knapspec.decoding.continuous import ContinuousBatch
 from knapspec.decoding.conversation import Conversation
 from knapspec.decoding.prefix_cache import PrefixCache
-from knapspec.decoding.run import GenerationResult, LogitsProcessor
-from knapspec.decoding.run_builder import decoder_run
+from knapspec.decoding.run import GenerationResult, LogitsProcessor, Run
 from knapspec.drafters.base import Drafter
 from knapspec.model.engine import ContextLengthError, SublayerEngine
 from knapspec.planners.base import Planner, PlanningContext
@@ -65,6 +64,7 @@ from knapspec.planners.batch.policy import (
     PlainBatchPolicy,
 )
 from knapspec.proxies.base import ValueProxy
+from knapspec.request import Request
 from knapspec.sampling import SamplingParams
 from knapspec.window import WindowBuffer
 
@@ -312,20 +312,17 @@ class SpeculativeDecoder:
                 eos_token_id=eos_token_id,
                 sampling=sampling,
             )
-        prompt = single_prompt(input_ids, self.engine)  # type: ignore[arg-type]
-        max_new_tokens = new_token_limit(max_new_tokens)
-        self.engine.check_context(prompt.numel() + max_new_tokens)
-        params = sampling_params(sampling) if sampling is not None else self.sampling
-        stop_ids = stop_set(eos_token_id)
-        if logits_processor is not None and not callable(logits_processor):
-            raise TypeError(
-                "logits_processor must be a callable (input_ids, scores) -> scores, such as a "
-                f"transformers LogitsProcessorList; got {type(logits_processor).__name__}"
-            )
+        request = Request(
+            single_prompt(input_ids, self.engine),  # type: ignore[arg-type]
+            max_new_tokens,
+            self.sampling if sampling is None else sampling,
+            eos_token_id,
+            streamer=streamer,
+            logits_processor=logits_processor,
+        )
+        self.engine.check_context(request.prompt_tokens + request.max_new_tokens)
         with self._lock:
-            return self._generate(
-                prompt, max_new_tokens, stop_ids, params, streamer, logits_processor
-            )
+            return self._generate(request)
 
     @torch.inference_mode()
     def generate_batch(
@@ -375,22 +372,21 @@ class SpeculativeDecoder:
         check_batch_context(prompts, limit, self.engine.max_context)
         params = sampling_params(sampling) if sampling is not None else self.sampling
         stop_ids = stop_set(eos_token_id)
-        samplers = row_samplers(params, len(prompts), seeds, self.engine.device)
+        requests = [
+            Request(prompt, limit, params, stop_ids, seed=seed)
+            for prompt, seed in zip(prompts, row_seeds(params, len(prompts), seeds), strict=True)
+        ]
         if policy is None:
             policy = self._default_batch_policy()
         with self._lock:
             run = BatchRun(
                 self.engine,
                 self._cache,
-                prompts,
-                max_new_tokens=limit,
-                stop_ids=stop_ids,
-                params=params,
+                requests,
                 policy=policy,
                 max_draft_length=self.max_draft_length,
                 drafters=self.drafters,
                 proposers=self.planner.proposal_drafters(),
-                samplers=samplers,
                 plan_subnetwork=self._batch_subnetwork_planner(params, limit),
                 capture_points=self.planner.uses_window,
                 slots=slots,
@@ -490,30 +486,12 @@ class SpeculativeDecoder:
 
         return plan
 
-    def _generate(
-        self,
-        prompt: torch.Tensor,
-        max_new_tokens: int,
-        stop_ids: frozenset[int],
-        params: SamplingParams,
-        streamer: BaseStreamer | None,
-        logits_processor: LogitsProcessor | None,
-    ) -> GenerationResult:
+    def _generate(self, request: Request) -> GenerationResult:
         prefixes = self.prefix_cache
+        prompt = request.prompt
         reused = prefixes.restore(prompt, self._cache) if prefixes is not None else 0
         # Unseeded: a fresh seed from torch's global RNG (torch.manual_seed repeats it).
-        run = decoder_run(
-            self,
-            self._cache,
-            self._window,
-            prompt,
-            max_new_tokens,
-            stop_ids,
-            params,
-            streamer,
-            logits_processor,
-            reused_tokens=reused,
-        )
+        run = Run(self, self._cache, self._window, request, reused_tokens=reused)
         result = run.execute()
         if prefixes is not None:
             # Every committed token whose K/V the cache holds (all but perhaps the last).

@@ -2,34 +2,34 @@
 
 All per-call state lives in :class:`Run`, so an exception mid-generation leaves the
 decoder usable. :class:`~knapspec.decoding.decoder.SpeculativeDecoder` checks the
-arguments and builds one per call from the pieces it holds (engine, cache, window,
-planner, drafters, cost model); batches run in :mod:`knapspec.decoding.batch`.
+arguments into one :class:`~knapspec.request.Request` and builds a run per call from that
+request and the pieces it holds (engine, cache, window, planner, drafters, cost model);
+batches run in :mod:`knapspec.decoding.batch`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import torch
 
 from knapspec.costmodels.base import LatencyObservation
 from knapspec.decoding.greedy import greedy_ids
+from knapspec.decoding.row import Row
 from knapspec.decoding.sampler import TokenSampler
 from knapspec.decoding.stats import GenerationStats, PlanRecord
 from knapspec.decoding.tree_round import TreeRoundParts, verify_tree_round
 from knapspec.drafters.base import NO_DRAFT, Draft, Drafter, DraftRequest, DraftTarget, Verification
 from knapspec.errors import NonFiniteLogitsError
 from knapspec.planners.base import Planner, PlanningContext
-from knapspec.sampling import SamplingParams
+from knapspec.request import LogitsProcessor, Request, draft_room
 from knapspec.types import DraftPlan, StepOutcome, SublayerMask
 from knapspec.validators import check_finite
 
 if TYPE_CHECKING:
-    from transformers.generation.streamers import BaseStreamer
-
     from knapspec.costmodels.base import CostModel
     from knapspec.model.cache import KVCache
     from knapspec.model.engine import SublayerEngine
@@ -52,102 +52,95 @@ class GenerationResult:
     stats: GenerationStats
 
 
-#: ``(input_ids (1, t), scores (1, vocab)) -> scores``: a transformers ``LogitsProcessorList``
-#: or any callable of that shape.
-LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
 #: Prompt tokens whose hidden states seed the reference window after prefill, so the first
 #: plan can be made right away instead of after several full-model rounds.
 PREFILL_WINDOW_TOKENS = 8
 
 
+class DecoderParts(Protocol):
+    """The components of a decoder that a :class:`Run` plays with (what
+    :class:`~knapspec.decoding.decoder.SpeculativeDecoder` holds)."""
+
+    engine: SublayerEngine
+    planner: Planner
+    drafters: dict[str, Drafter]
+    cost_model: CostModel | None
+    proxy: ValueProxy | None
+    max_draft_length: int
+    confidence_threshold: float
+
+
 class Run:
-    """State of one ``generate`` call. Everything is reset per call, so an exception
-    mid-generation leaves the decoder usable.
+    """State of one ``generate`` call: a decoder's parts playing one :class:`Request`.
+    Everything is reset per call, so an exception mid-generation leaves the decoder usable.
 
     Args:
-        engine: the decoder's engine.
+        parts: the decoder's engine, planner (reset here), drafters (by registered name,
+            every drafter the planner's plans may name; a round runs the one its plan
+            names), cost model, proxy, D (the largest γ) and τ_conf (handed to drafters
+            that run the model).
         cache: the decoder's single-sequence cache (reset here).
         window: the decoder's reference-window buffer (cleared here).
-        planner: chooses each round's drafter and γ (reset here).
-        drafters: by registered name, every drafter the planner's plans may name (its
-            ``plan_drafters()``); a round runs the one its plan names.
-        cost_model, proxy: the decoder's components (None: none).
-        max_draft_length: D, the largest γ.
-        confidence_threshold: τ_conf, handed to drafters that run the model.
-        prompt: ``(n,)`` token ids on the engine's device.
-        max_new_tokens, stop_ids, params, streamer, logits_processor: the call's
-            arguments, checked by the decoder.
-        sampler: how the call picks and verifies tokens (its seed).
+        request: the call (checked when it was built); an unseeded sampled request
+            draws a fresh seed from torch's global RNG here.
         reused_tokens: the cache already holds the K/V of the prompt's first this-many
             tokens (a conversation's earlier turns, a cached prefix): only the rest is
-            prefilled. ``0 <= reused_tokens < prompt.numel()``.
+            prefilled. ``0 <= reused_tokens < request.prompt_tokens``.
         proposers: the drafters that propose before planning, when the caller keeps
             their state across calls (a conversation's lookup index); None: the planner's
-            ``proposal_drafters()`` among ``drafters``, reset with the prompt.
+            ``proposal_drafters()`` among the decoder's drafters, reset with the prompt.
         indexed_tokens: with ``proposers``, how many of the prompt's first tokens they
             have already seen (they are extended with the rest); 0 resets them.
     """
 
     def __init__(
         self,
-        engine: SublayerEngine,
+        parts: DecoderParts,
         cache: KVCache,
         window: WindowBuffer,
-        planner: Planner,
-        drafters: Mapping[str, Drafter],
+        request: Request,
         *,
-        cost_model: CostModel | None,
-        proxy: ValueProxy | None,
-        max_draft_length: int,
-        confidence_threshold: float,
-        prompt: torch.Tensor,
-        max_new_tokens: int,
-        stop_ids: frozenset[int],
-        params: SamplingParams,
-        sampler: TokenSampler,
-        streamer: BaseStreamer | None,
-        logits_processor: LogitsProcessor | None = None,
         reused_tokens: int = 0,
         proposers: Sequence[Drafter] | None = None,
         indexed_tokens: int = 0,
     ) -> None:
-        if not 0 <= reused_tokens < prompt.numel() or cache.seq_length < reused_tokens:
+        engine, planner = parts.engine, parts.planner
+        if not 0 <= reused_tokens < request.prompt_tokens or cache.seq_length < reused_tokens:
             raise ValueError(
-                f"reused_tokens={reused_tokens} must be in [0, {prompt.numel()}) and held "
-                f"by every layer of the cache (it holds {cache.seq_length})"
+                f"reused_tokens={reused_tokens} must be in [0, {request.prompt_tokens}) and "
+                f"held by every layer of the cache (it holds {cache.seq_length})"
             )
+        self.request = request
         self.reused_tokens = reused_tokens
         self.indexed_tokens = indexed_tokens if proposers is not None else 0
         self.engine = engine
         self.cache = cache
         self.window = window
         self.planner = planner
-        self.drafters = drafters
-        self.cost_model = cost_model
-        self.proxy = proxy
-        self.max_draft_length = max_draft_length
-        self.confidence_threshold = confidence_threshold
-        self.logits_processor = logits_processor
-        self.prompt = prompt
-        self.max_new_tokens = max_new_tokens
-        self.stop_ids = stop_ids
-        self.params = params
-        self.sampler = sampler
-        self.streamer = streamer
-        self.stats = GenerationStats(prompt_tokens=prompt.numel())
-        self.output: list[int] = []
+        self.drafters: Mapping[str, Drafter] = parts.drafters
+        self.cost_model = parts.cost_model
+        self.proxy = parts.proxy
+        self.max_draft_length = parts.max_draft_length
+        self.confidence_threshold = parts.confidence_threshold
+        self.logits_processor = request.logits_processor
+        self.prompt = request.prompt.to(engine.device)
+        self.streamer = request.streamer
+        self.sampler = TokenSampler.for_request(request, engine.device)
         self.uses_window = planner.uses_window
         self.proposal_names = planner.proposal_drafters()
         self.proposers = (
             list(proposers)
             if proposers is not None
-            else [drafters[name] for name in sorted(self.proposal_names)]
+            else [self.drafters[name] for name in sorted(self.proposal_names)]
         )
+        #: The sequence's request, output and counters (its commits).
+        self.row = Row(request, self.sampler, self.proposers)
+        self.stats: GenerationStats = self.row.stats
+        self.output: list[int] = self.row.output
         self.synchronize = self.engine.device.type == "cuda"
         #: Token trees need the engine's tree pass, and a logits processor sees one
         #: sequence per row (a tree's rows follow different paths).
-        self.trees = logits_processor is None and hasattr(engine, "forward_tree")
+        self.trees = self.logits_processor is None and hasattr(engine, "forward_tree")
 
     def _now(self) -> float:
         if self.synchronize:
@@ -189,9 +182,10 @@ class Run:
             )
         n = self.prompt.numel()
         stats.cached_prompt_tokens = reused
-        cache.reserve(n + self.max_new_tokens + self.max_draft_length + 1)
+        limit = self.request.max_new_tokens
+        cache.reserve(n + limit + self.max_draft_length + 1)
         # The prompt and committed tokens, for planners that read the token ids.
-        self.sequence = torch.empty(n + self.max_new_tokens, dtype=torch.long)
+        self.sequence = torch.empty(n + limit, dtype=torch.long)
         self.sequence[:n] = self.prompt.cpu()
 
         capture = self._wants_window()
@@ -225,12 +219,9 @@ class Run:
                 drafter.reset(self.sequence[: n + 1].tolist())
         while not self._finished():
             plan_start = self._now()
-            room = min(
-                self.max_draft_length,
-                self.max_new_tokens - len(self.output) - 1,
-                engine.max_context - n - 1,
-            )
-            proposals = self._propose(proposers, DraftRequest(max(0, room), pending, n))
+            remaining = self.request.remaining(len(self.output))
+            room = draft_room(self.max_draft_length, remaining, n, engine.max_context)
+            proposals = self._propose(proposers, DraftRequest(room, pending, n))
             context = PlanningContext(
                 engine=engine,
                 cache=cache,
@@ -239,9 +230,9 @@ class Run:
                 cost_model=self.cost_model,
                 proxy=self.proxy,
                 max_draft_length=self.max_draft_length,
-                sampling=self.params,
+                sampling=self.request.sampling,
                 round_index=round_index,
-                remaining_tokens=self.max_new_tokens - len(self.output),
+                remaining_tokens=remaining,
                 tokens=self.sequence[: self.prompt.numel() + len(self.output)],
                 proposals=proposals,
                 trees=self.trees,
@@ -314,23 +305,14 @@ class Run:
         return self.planner.wants_window(self.sequence[:committed])
 
     def _finished(self) -> bool:
-        if len(self.output) >= self.max_new_tokens:
-            self.stats.stop_reason = self.stats.stop_reason or "max_new_tokens"
-            return True
-        return bool(self.stats.stop_reason)
+        """Whether the sequence has stopped (:meth:`Row.commit` says why)."""
+        return self.row.stopped
 
     def _commit(self, tokens: list[int]) -> int:
         """Append tokens up to the limit / first stop token; stream them. Returns the count."""
-        room = self.max_new_tokens - len(self.output)
-        kept: list[int] = []
-        for token in tokens[:room]:
-            kept.append(token)
-            if token in self.stop_ids:
-                self.stats.stop_reason = "eos"
-                break
-        start = self.prompt.numel() + len(self.output)
-        self.sequence[start : start + len(kept)] = torch.tensor(kept, dtype=torch.long)
-        self.output.extend(kept)
+        kept = self.row.commit(tokens)
+        end = self.prompt.numel() + len(self.output)
+        self.sequence[end - len(kept) : end] = torch.tensor(kept, dtype=torch.long)
         if self.streamer is not None and kept:
             self.streamer.put(torch.tensor(kept, dtype=torch.long))  # type: ignore[no-untyped-call]
         return len(kept)
@@ -438,6 +420,7 @@ def _plan_key(plan: DraftPlan) -> tuple[str, int, SublayerMask]:
 
 __all__ = [
     "PREFILL_WINDOW_TOKENS",
+    "DecoderParts",
     "GenerationResult",
     "LogitsProcessor",
     "Run",

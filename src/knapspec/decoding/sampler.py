@@ -15,6 +15,7 @@ from knapspec.decoding.greedy import greedy_token
 from knapspec.decoding.verify import Verdict, verify_greedy, verify_sampling
 from knapspec.drafters.base import Draft
 from knapspec.gumbel import keyed_argmax, position_key
+from knapspec.request import Request
 from knapspec.sampling import (
     REJECTION,
     SamplingParams,
@@ -36,6 +37,14 @@ def resolve_seed(params: SamplingParams, offset: int = 0) -> int:
     return int(torch.randint(0, 2**62, (), dtype=torch.int64))
 
 
+def request_seed(request: Request) -> int:
+    """The seed ``request`` samples with: its ``seed`` (mod ``2**64``), else as
+    :func:`resolve_seed` gives for its sampling parameters."""
+    if request.seed is not None:
+        return request.seed % 2**64
+    return resolve_seed(request.sampling)
+
+
 class TokenSampler:
     """Picks and verifies one sequence's tokens under ``params``.
 
@@ -54,6 +63,11 @@ class TokenSampler:
         if self.rejection:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(seed)
+
+    @classmethod
+    def for_request(cls, request: Request, device: torch.device) -> TokenSampler:
+        """The sampler of ``request`` (its sampling parameters, :func:`request_seed`)."""
+        return cls(request.sampling, request_seed(request), device)
 
     def choose(self, logits: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None]:
         """The token at ``position`` from ``logits (vocab,)`` (already through any logits
@@ -136,4 +150,4 @@ class TokenSampler:
             node = child
 
 
-__all__ = ["TokenSampler", "resolve_seed"]
+__all__ = ["TokenSampler", "request_seed", "resolve_seed"]

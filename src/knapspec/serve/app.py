@@ -1,11 +1,12 @@
 """The FastAPI app: parse, validate, hand over to the scheduler, stream back.
 
-Routes never touch the model or a tensor: they turn a request into token ids and a
-:class:`~knapspec.serve.scheduler.GenerationRequest`, submit it, and forward the
-scheduler's events (text deltas, the finish, a failure) to the client, as one JSON answer
-or as Server-Sent Events (``sse-starlette`` frames them). Every error is OpenAI's shape,
-``{"error": {"message", "type", "param", "code"}}``: 400 for a request it cannot serve
-(naming the field), 401 without the API key, 404 for an unknown model, 429 with
+Routes never touch the model: they turn a request into token ids and a
+:class:`~knapspec.serve.scheduler.GenerationRequest` (the decoding record,
+:class:`knapspec.request.Request`, with the stop strings and the event sink), submit it,
+and forward the scheduler's events (text deltas, the finish, a failure) to the client, as
+one JSON answer or as Server-Sent Events (``sse-starlette`` frames them). Every error is
+OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a request it
+cannot serve (naming the field), 401 without the API key, 404 for an unknown model, 429 with
 ``Retry-After`` when the queue is full, 503 while loading or draining, 500 when the
 request failed on the server (it fails alone).
 """
@@ -25,6 +26,8 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sse_starlette.sse import EventSourceResponse
 
+from knapspec.request import Request as DecodingRequest
+from knapspec.request import completion_room
 from knapspec.sampling import SamplingParams
 from knapspec.serve.errors import APIError, install_error_handlers
 from knapspec.serve.metrics import ServerMetrics
@@ -200,13 +203,13 @@ def _job(
     body: CompletionRequest | ChatCompletionRequest,
     ids: list[int],
     prompt_field: str,
-    max_tokens: int | None,
+    max_new_tokens: int | None,
     default_max_tokens: int | None,
 ) -> _Job:
     """Check the prompt's size against a row, resolve the limit and the sampling."""
     if not ids:
         raise APIError(400, f"the {prompt_field} is empty", param=prompt_field)
-    room = served.max_model_len - len(ids) - served.decoder.max_draft_length - 1
+    room = completion_room(served.max_model_len, len(ids), served.decoder.max_draft_length)
     limit_name = (
         "max_completion_tokens"
         if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens
@@ -221,15 +224,16 @@ def _job(
             param=prompt_field,
             code="context_length_exceeded",
         )
-    if max_tokens is not None and max_tokens > room:
+    if max_new_tokens is not None and max_new_tokens > room:
         raise APIError(
             400,
-            f"{limit_name} = {max_tokens} does not fit: the prompt has {len(ids)} tokens, so "
+            f"{limit_name} = {max_new_tokens} does not fit: the prompt has {len(ids)} tokens, so "
             f"at most {room} more fit a row of {served.max_model_len} tokens (--max-model-len)",
             param=limit_name,
             code="context_length_exceeded",
         )
-    limit = max_tokens if max_tokens is not None else min(room, default_max_tokens or room)
+    if max_new_tokens is None:
+        max_new_tokens = min(room, default_max_tokens or room)
     base = served.decoder.sampling
     changes: dict[str, Any] = {}
     if body.temperature is not None:
@@ -247,8 +251,8 @@ def _job(
     def sink(event: Event) -> None:  # on the scheduler thread: hand over, never block
         loop.call_soon_threadsafe(events.put_nowait, event)
 
-    request = GenerationRequest(ids, limit, sampling, body.stop_strings, sink)
-    return _Job(request, events)
+    request = DecodingRequest(ids, max_new_tokens, sampling, served.stop_ids)
+    return _Job(GenerationRequest(request, body.stop_strings, sink), events)
 
 
 def _submit(scheduler: Scheduler, job: _Job) -> None:

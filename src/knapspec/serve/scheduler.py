@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from knapspec.decoding.continuous import CANCELLED, FAILED, RowRequest, RowUpdate
-from knapspec.sampling import SamplingParams
+from knapspec.decoding.continuous import CANCELLED, FAILED, RowUpdate
+from knapspec.request import Request
 from knapspec.serve.text import SharedTokenizer, TextStream
 
 if TYPE_CHECKING:
@@ -93,21 +93,19 @@ Event = Delta | Finished | Failed
 
 @attrs.define(eq=False)
 class GenerationRequest:
-    """One request as the scheduler holds it (its record; see the module docstring).
+    """One request as the scheduler holds it: the decoding record and what only the
+    server needs (see the module docstring).
 
     Attributes:
-        prompt: token ids.
-        max_tokens: the completion's token limit.
-        sampling: greedy unless ``do_sample`` (its ``seed`` repeats a sampled answer).
+        request: what its row decodes (prompt, ``max_new_tokens``, sampling, the model's
+            stop ids, seed), handed to the batch as it is.
         stop: stop strings (the answer ends before the first one).
         sink: called on the scheduler thread with each :class:`Event`, in order; must
             not block.
         id: for logs.
     """
 
-    prompt: list[int]
-    max_tokens: int
-    sampling: SamplingParams
+    request: Request
     stop: tuple[str, ...]
     sink: Callable[[Event], None]
     id: str = attrs.field(factory=lambda: uuid.uuid4().hex)
@@ -293,15 +291,8 @@ class Scheduler:
     def _admit(self, batch: ContinuousBatch, request: GenerationRequest) -> None:
         backend = self.backend
         assert backend is not None
-        row = RowRequest(
-            request.prompt,
-            request.max_tokens,
-            backend.stop_ids,
-            request.sampling,
-            request.sampling.seed,
-        )
         try:
-            update = batch.add(row)
+            update = batch.add(request.request)
         except Exception as error:  # this request's own fault (its prefill): it fails alone
             LOG.warning("request %s failed at prefill: %s", request.id, error)
             self.metrics.requests.labels(FAILED).inc()

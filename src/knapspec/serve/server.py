@@ -85,11 +85,11 @@ def loader(
 
 def _warm_up(backend: Backend) -> None:
     """One short batched call: kernels compile and caches fill before the first client."""
-    from knapspec.decoding.continuous import RowRequest
+    from knapspec.request import Request
 
     ids = backend.tokenizer.encode("Hello") or [0]
     batch = backend.decoder.continuous_batch(1, min(64, backend.max_model_len))
-    batch.add(RowRequest(ids[:8], 4))
+    batch.add(Request(ids[:8], 4))
     while batch.active:
         batch.step()
 
