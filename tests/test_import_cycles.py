@@ -31,6 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # Base records and helpers, standard library / torch / attrs only.
     ("errors", "paths", "types", "scores", "window", "gumbel", "registry"),
     ("validators", "sampling"),
+    ("request",),  # one call's record, handed to the decoding loop
     ("model",),  # the sublayer engine, its kernels and model loading
     ("components",),
     ("costmodels",),
