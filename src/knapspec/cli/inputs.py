@@ -61,16 +61,16 @@ def load_model(
 
     from knapspec.model.dtypes import DTYPES, choose_dtype
     from knapspec.model.provision import (
-        DEFAULT_ALIASES,
         ProvisioningError,
+        is_known_model,
         load_model_and_tokenizer,
     )
 
-    if name_or_path.strip().lower() not in DEFAULT_ALIASES:
+    if not is_known_model(name_or_path):
         if not Path(name_or_path).is_dir():
             raise UsageError(
-                f"--model {name_or_path!r}: no such directory; give 'default' or the path of "
-                "a local transformers model directory"
+                f"--model {name_or_path!r}: no such directory; give 'default', a known model "
+                "('gemma-3-270m') or the path of a local transformers model directory"
             )
         if not (Path(name_or_path) / "config.json").is_file():
             raise UsageError(

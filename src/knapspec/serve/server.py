@@ -60,7 +60,7 @@ def loader(
 
     def load() -> Backend:
         from knapspec.cli.inputs import import_decoder, load_model
-        from knapspec.model.provision import DEFAULT_ALIASES, DEFAULT_MODEL_NAME
+        from knapspec.model.provision import known_model
 
         loaded, tokenizer = load_model(model, dtype)
         decoder = import_decoder().from_config(loaded, config)
@@ -71,9 +71,8 @@ def loader(
                 eos.add(source)
             elif source is not None:
                 eos.update(int(token) for token in source)
-        name = served_model_name or (
-            DEFAULT_MODEL_NAME if model.strip().lower() in DEFAULT_ALIASES else Path(model).name
-        )
+        known = known_model(model)
+        name = served_model_name or (known.name if known is not None else Path(model).name)
         backend = Backend(decoder, SharedTokenizer(tokenizer), name, limit, frozenset(eos))
         _warm_up(backend)
         LOG.info("serving %s: rows of %d tokens", name, limit)
