@@ -20,7 +20,7 @@ from knapspec.model.row_attention import attend_rows, kernel_available
 from knapspec.testing.exactness import batch_mismatches, verification_mismatches
 from knapspec.testing.models import tiny_model
 
-FAMILIES = ("llama", "qwen3")
+FAMILIES = ("llama", "qwen3", "gemma3")
 DTYPES = (torch.float32, torch.bfloat16)
 VOCAB = 97
 
