@@ -76,6 +76,12 @@ def loader(
         backend = Backend(decoder, SharedTokenizer(tokenizer), name, limit, frozenset(eos))
         _warm_up(backend)
         LOG.info("serving %s: rows of %d tokens", name, limit)
+        if not backend.tokenizer.has_chat_template:
+            LOG.warning(
+                "%s has no chat template (a base model): /v1/chat/completions answers 400, "
+                "/v1/completions continues text",
+                name,
+            )
         return backend
 
     return load
