@@ -302,3 +302,18 @@ def test_final_logit_soft_capping_is_applied_as_transformers_does() -> None:
     got = engine.forward(ids, 0, engine.new_cache(12)).logits
     assert float(got.abs().max()) <= 3.0
     torch.testing.assert_close(got, reference, atol=2e-5, rtol=1e-4)
+
+
+def test_the_lemma_folds_gemmas_one_plus_w_final_norm_into_the_head() -> None:
+    """The cosine proxy's folded space: Gemma's final norm scales by ``1 + w``, and the
+    folded states times the folded head are the logits."""
+    from knapspec.proxies.head_geometry import HeadGeometry, lemma_states, rms_norm_gain
+
+    engine = _engine()
+    gain = rms_norm_gain(engine.final_norm)
+    torch.testing.assert_close(gain, 1.0 + engine.final_norm.weight.detach())
+    hidden = torch.randn(5, engine.hidden_size, generator=torch.Generator().manual_seed(0))
+    states = lemma_states(hidden, engine.final_norm, "folded")
+    HeadGeometry.for_lm_head(engine.lm_head, engine.final_norm, "folded")  # accepted
+    folded_head = engine.lm_head.weight.detach() * gain
+    torch.testing.assert_close(states @ folded_head.T, engine.logits(hidden), atol=1e-4, rtol=1e-4)
