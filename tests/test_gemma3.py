@@ -317,3 +317,25 @@ def test_the_lemma_folds_gemmas_one_plus_w_final_norm_into_the_head() -> None:
     HeadGeometry.for_lm_head(engine.lm_head, engine.final_norm, "folded")  # accepted
     folded_head = engine.lm_head.weight.detach() * gain
     torch.testing.assert_close(states @ folded_head.T, engine.logits(hidden), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("slots", [1, 2, 4])
+def test_continuous_batching_rows_equal_transformers_generate_alone(slots: int) -> None:
+    """``generate_batch`` with lookup drafts and fewer slots than prompts: every row is
+    ``model.generate`` of its prompt alone, past the window (transformers' sliding cache)."""
+    from tests.test_batch import REPEATING
+    from tests.tiny_models import greedy_reference
+
+    from knapspec.decoding.batch_policy import FixedLookupBatchPolicy
+    from knapspec.decoding.decoder import SpeculativeDecoder
+    from knapspec.planners import LookupPlanner
+
+    decoder = SpeculativeDecoder(_engine(), planner=LookupPlanner())
+    prompts = [REPEATING[:14], _tokens(3, 1).tolist(), REPEATING[5:11], _tokens(9, 2).tolist()]
+    new = 12
+    result = decoder.generate_batch(
+        prompts, max_new_tokens=new, policy=FixedLookupBatchPolicy(3), max_batch_rows=slots
+    )
+    for row, prompt in enumerate(prompts):
+        expected = greedy_reference(_model(), torch.tensor(prompt), new)
+        assert torch.equal(result.tokens[row], expected), f"row {row} differs"
