@@ -339,3 +339,24 @@ def test_continuous_batching_rows_equal_transformers_generate_alone(slots: int) 
     for row, prompt in enumerate(prompts):
         expected = greedy_reference(_model(), torch.tensor(prompt), new)
         assert torch.equal(result.tokens[row], expected), f"row {row} differs"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_chunk_invariant_prefills_are_bitwise_across_the_window(dtype: torch.dtype) -> None:
+    """With chunk invariance on (a prefix cache, a conversation), a prefill split into
+    chunks gives bitwise the logits and K/V of one cold prefill, past the window too."""
+    engine = SublayerEngine(_model(dtype), progress=False, invariant_prefill=True)
+    assert engine.chunk_invariant
+    ids = _tokens(90, 11)  # more than EXACT_MAX_QUERIES rows: the blocked path
+    whole = engine.new_cache(90)
+    expected = engine.forward(ids, 0, whole).logits
+    parts = engine.new_cache(90)
+    got = torch.cat(
+        [engine.forward(ids[a:b], a, parts).logits for a, b in [(0, 7), (7, 20), (20, 90)]]
+    )
+    assert torch.equal(got, expected)
+    for layer in range(engine.num_layers):
+        assert torch.equal(parts.keys(layer), whole.keys(layer))
+        assert torch.equal(parts.values(layer), whole.values(layer))
+    if dtype == torch.float32:
+        torch.testing.assert_close(expected, _reference(ids), atol=2e-5, rtol=1e-4)
