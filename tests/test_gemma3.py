@@ -360,3 +360,24 @@ def test_chunk_invariant_prefills_are_bitwise_across_the_window(dtype: torch.dty
         assert torch.equal(parts.values(layer), whole.values(layer))
     if dtype == torch.float32:
         torch.testing.assert_close(expected, _reference(ids), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.real_model
+def test_the_real_gemma_equals_transformers_and_keeps_the_contract_past_its_window() -> None:
+    """Gemma 3 270M (provisioned on first use): 600 tokens of text, past its 512-token
+    window, through the engine and through transformers (float32), and a verification
+    past the window against one-token steps."""
+    from importlib.resources import files
+
+    from knapspec.model.provision import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer("gemma-3-270m", progress=False)
+    text = (files("knapspec") / "data" / "pride_and_prejudice_chapter3.txt").read_text()
+    ids = torch.tensor(tokenizer(text)["input_ids"][:600])
+    engine = SublayerEngine(model, progress=False)
+    assert engine.windows.count(512) == 15 and engine.windows.count(None) == 3
+    ours = engine.forward(ids, 0, engine.new_cache(600)).logits
+    with torch.no_grad():
+        reference = model(ids.unsqueeze(0)).logits[0].float()
+    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+    assert verification_mismatches(engine, ids[:590], ids[590:]) == []
