@@ -6,7 +6,7 @@ token equality. Every line records the CPU, its vector flags, the BLAS and the e
 kernel table: the ratio holds for that machine only.
 
     python benchmarks/engine_vs_generate.py [--contexts 512 2048 4096] [--pairs 3]
-        [--new-tokens 128]
+        [--new-tokens 128] [--model gemma-3-270m]
 """
 
 from __future__ import annotations
@@ -35,11 +35,14 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
+        "--model", default="default", help="a known model (default, gemma-3-270m) or a directory"
+    )
+    parser.add_argument(
         "--output", type=Path, default=Path("results/engine/engine_vs_generate.jsonl")
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model_and_tokenizer()
+    model, tokenizer = load_model_and_tokenizer(args.model)
     decoder = SpeculativeDecoder(model, planner=AutoregressivePlanner())
     env = {**environment(model, args.threads), **kernel_record(decoder.engine)}
     args.output.parent.mkdir(parents=True, exist_ok=True)

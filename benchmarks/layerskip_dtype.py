@@ -42,6 +42,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--max-items", type=int, default=24, help="largest skipped-item count")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--model", default="default", help="a known model (default, gemma-3-270m) or a directory"
+    )
     parser.add_argument("--output", type=Path, default=Path("results/oracle/layerskip_dtype.jsonl"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -50,7 +53,7 @@ def main() -> None:
     )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     for name in args.dtypes:
-        model, tokenizer = load_model_and_tokenizer(dtype=DTYPES[name], progress=False)
+        model, tokenizer = load_model_and_tokenizer(args.model, dtype=DTYPES[name], progress=False)
         engine = SublayerEngine(model)
         plain = SpeculativeDecoder(engine, planner=AutoregressivePlanner())
         env = environment(model, args.threads)

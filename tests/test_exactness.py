@@ -27,7 +27,7 @@ from knapspec.testing.exactness import (
 )
 from knapspec.testing.models import tiny_model
 
-FAMILIES = ("llama", "qwen3")
+FAMILIES = ("llama", "qwen3", "gemma3")
 DTYPES = (torch.float32, torch.bfloat16)
 VOCAB = 97
 

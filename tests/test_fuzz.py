@@ -42,7 +42,7 @@ load_builtin_components()
 EXAMPLES = int(os.environ.get("KNAPSPEC_FUZZ_EXAMPLES", "16"))
 #: "damped": a Llama whose deep layers move the residual little, so drafts are accepted
 #: often and rejected sometimes (random models of the other families rarely agree).
-FAMILIES = ("damped", "llama", "qwen2", "qwen3", "mistral")
+FAMILIES = ("damped", "llama", "qwen2", "qwen3", "mistral", "gemma3")
 DTYPES = (torch.float32, torch.bfloat16)
 #: The errors a configuration may rightly end in (each documented in
 #: docs/configuration.md or docs/troubleshooting.md): a config the schema refuses.

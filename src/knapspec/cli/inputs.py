@@ -73,7 +73,10 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool | No
     has_template = getattr(tokenizer, "chat_template", None) is not None
     use_chat = has_template if chat is None else chat
     if use_chat and not has_template:
-        raise UsageError("--chat: this model's tokenizer has no chat template")
+        raise UsageError(
+            "--chat: this model's tokenizer has no chat template (a base model such as "
+            "gemma-3-270m continues text: drop --chat)"
+        )
     if use_chat:
         messages = [{"role": "user", "content": text}]
         text = str(

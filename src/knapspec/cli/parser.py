@@ -47,9 +47,10 @@ def _add_model_option(parser: argparse.ArgumentParser) -> None:
         "--model",
         metavar="PATH_OR_DEFAULT",
         default="default",
-        help="'default' (SmolLM2-135M-Instruct, provisioned into the knapspec cache on first "
-        "use) or the path of a local transformers model directory (config, weights, "
-        "tokenizer). Default: %(default)s.",
+        help="'default' (SmolLM2-135M-Instruct), another known model ('gemma-3-270m': "
+        "Gemma 3 270M, a base model under the Gemma Terms of Use), each provisioned into the "
+        "knapspec cache on first use, or the path of a local transformers model directory "
+        "(config, weights, tokenizer). Default: %(default)s.",
     )
     parser.add_argument(
         "--dtype",

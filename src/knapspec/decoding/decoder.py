@@ -86,8 +86,8 @@ class SpeculativeDecoder:
     planner that does not read the reference window gets no cost model or proxy.
 
     Args:
-        model: a loaded model of a supported family (Llama, Mistral, Qwen2, Qwen3) or a
-            :class:`SublayerEngine` wrapping one.
+        model: a loaded model of a supported family (Llama, Mistral, Qwen2, Qwen3,
+            Gemma 3) or a :class:`SublayerEngine` wrapping one.
         config: a :class:`~knapspec.config.DecoderConfig`, its dict form, or a TOML / JSON
             file path (None: the defaults: the ``knapsack`` planner, the ``online`` cost
             model seeded by a cached or quick profile of this machine, the

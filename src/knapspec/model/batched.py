@@ -25,6 +25,13 @@ follows overwrites every layer (it covers every drafted position), so a row's co
 tokens are never touched by a draft.
 
 A batch of one is not routed here: it runs :meth:`~knapspec.model.engine.SublayerEngine.forward`.
+
+Sliding-window layers (Gemma 3) attend as the engine does alone: exact passes row by row
+through :meth:`~knapspec.model.engine.SublayerEngine.attend_exact` where a row sees past
+the window, other passes padded (never split) with the window in the mask.
+
+Size: a little over 450 lines: the three attention layouts share the pass's masks and
+lengths, and the sliding-window cases add a few lines to each.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import torch.nn.functional as F
 from knapspec.model.batch_cache import BatchKVCache
 from knapspec.model.exact_pass import ExactLayerPass, query_lengths
 from knapspec.model.row_attention import EXACT_MAX_QUERIES, attend_rows_batched
+from knapspec.model.sliding_window import ragged_window_mask
 
 if TYPE_CHECKING:
     from knapspec.model.engine import SublayerEngine
@@ -178,12 +186,16 @@ def _exact_attention(
     """Every row's queries over its own keys through the row-invariant kernel, so that a
     row computes bitwise what it computes decoded alone (the exactness contract):
     ``query (1, H, T, hd)`` packed or ``(rows, H, q, hd)`` padded -> ``(1, T, H * hd)`` or
-    ``(rows, q, H * hd)``; ``lengths`` from :func:`_query_lengths` (the same every layer)."""
-    together = _exact_attention_together(
-        engine, query, cache, layer_index, starts, widths, packed, lengths
-    )
-    if together is not None:
-        return together
+    ``(rows, q, H * hd)``; ``lengths`` from :func:`_query_lengths` (the same every layer).
+    In a sliding layer that some row sees past, row by row, as each runs alone."""
+    window = engine.windows[layer_index]
+    if window is None or int(lengths.max()) <= window:
+        window = None
+        together = _exact_attention_together(
+            engine, query, cache, layer_index, starts, widths, packed, lengths
+        )
+        if together is not None:
+            return together
     pieces = []
     offset = 0
     for row, (start, width) in enumerate(zip(starts, widths, strict=True)):
@@ -194,6 +206,7 @@ def _exact_attention(
                 cache.row_keys(layer_index, row, start + width)[0],
                 cache.row_values(layer_index, row, start + width)[0],
                 start,
+                window,
             )
         )
         offset += width
@@ -364,13 +377,15 @@ def forward_batch(
         positions = (start_tensor[row_of] + step_of).unsqueeze(0)  # (1, T)
         cache.check_room(int(positions.max()) + 1)
         index = (row_of.unsqueeze(0), positions)  # (1, T) each
-    cos, sin = engine.rotary_emb(hidden, positions)
+    cos, sin = engine.rotary_tables(hidden, positions)
     end = max(starts) + q_len
     groups = engine.kv_groups
     row_widths_all = list(widths) if widths is not None else [q_len] * rows
     exact = engine.exact and max(row_widths_all) <= EXACT_MAX_QUERIES
+    windows = {w for w in engine.windows if w is not None and w < end}
     split = (
         not exact
+        and not windows  # the split layout's masks know no window
         and packing is not None
         and (
             attention == "split"
@@ -389,6 +404,9 @@ def forward_batch(
         )
     elif not exact:
         visible = ragged_mask(start_tensor, q_len, end, groups)
+        windowed = {
+            w: visible & ragged_window_mask(start_tensor, q_len, end, groups, w) for w in windows
+        }
     lean: ExactLayerPass | None = None
     if exact:
         lengths = query_lengths(starts, row_widths_all, max(row_widths_all))
@@ -416,10 +434,10 @@ def forward_batch(
                     engine, query, cache, layer_index, first, row_widths, masks
                 )
             else:
-                attended = _padded_attention(
-                    engine, query, cache, layer_index, end, visible, packing
-                )
-            hidden = hidden + engine.project(layer.self_attn.o_proj, attended)
+                window = engine.windows[layer_index]
+                seen = visible if window is None else windowed.get(window, visible)
+                attended = _padded_attention(engine, query, cache, layer_index, end, seen, packing)
+            hidden = engine.attention_residual(layer_index, hidden, attended)
         if executed[2 * layer_index + 1]:
             hidden = engine.mlp_item(layer_index, hidden, lean)
     hidden = hidden if looped is None else looped

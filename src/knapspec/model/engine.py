@@ -15,7 +15,13 @@ LM head) and owns only the attention arithmetic and the KV cache, so that it can
 * run one item functionally over many DP branches against a read-only cache prefix.
 
 Supported: decoder layers of the Llama layout (input norm, self-attention, post-attention
-norm, MLP) with full causal attention — Llama, Mistral, Qwen2, Qwen3.
+norm, MLP) with full causal attention — Llama, Mistral, Qwen2, Qwen3 — and Gemma 3's
+(``gemma3_text``): a norm before and after each sublayer (the one after applied to the
+sublayer's output before the residual add), q/k norms, a GELU-tanh MLP, rotary tables per
+layer type, and sliding-window layers beside global ones
+(:mod:`knapspec.model.sliding_window`). Gemma's norms and MLP run as the model's own
+modules; its layers take the general item path (the lean pass and the compiled layer loop
+serve the Llama layout only and decline them).
 
 Size: over 450 lines because full forwards, tree verification, single items and batched
 DP items share one attention and MLP implementation and the cache layout; the kernels,
@@ -55,15 +61,19 @@ from knapspec.model.onednn import prepack
 from knapspec.model.prefill_kernels import prefill_dispatch
 from knapspec.model.row_attention import (
     EXACT_MAX_QUERIES,
-    attend_rows,
     attend_tree_rows,
     attention_path,
     kernel_available,
 )
+from knapspec.model.sliding_window import attend_rows_windowed, layer_windows, window_visible
 from knapspec.model.tree import TreeLayout, tree_layout
 from knapspec.types import SublayerMask
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+
+#: Families whose layers have a norm before and after each sublayer (Gemma 3), and whose
+#: sliding-window layers the engine attends exactly.
+SANDWICH_MODEL_TYPES: tuple[str, ...] = ("gemma3_text",)
 
 _PLAIN: Kernel = KERNELS[PLAIN_KERNEL]
 
@@ -120,19 +130,42 @@ def _check_supported(model: nn.Module) -> None:
             f"{type(model).__name__} has no model.layers / lm_head; "
             f"supported families: {supported}."
         )
+    needed = ["input_layernorm", "self_attn", "post_attention_layernorm", "mlp"]
+    if model_type in SANDWICH_MODEL_TYPES:
+        needed += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        _check_gemma(model, config, supported)
     for index, layer in enumerate(layers):
-        for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"):
+        for name in needed:
             if not hasattr(layer, name):
                 raise UnsupportedModelError(
                     f"layer {index} of {type(model).__name__} has no {name}; the engine needs "
                     f"the Llama layout (supported families: {supported})."
                 )
     layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+    allowed = {"full_attention"} | (
+        {"sliding_attention"} if model_type in SANDWICH_MODEL_TYPES else set()
+    )
+    if layer_types is not None and any(t not in allowed for t in layer_types):
         raise UnsupportedModelError(
             f"{type(model).__name__} has sliding-window or other non-full attention layers "
             f"({sorted(set(layer_types))}); only full causal attention is supported "
             f"(families: {supported})."
+        )
+
+
+def _check_gemma(model: nn.Module, config: Any, supported: str) -> None:
+    """Refuse the Gemma 3 variants the engine does not compute: attention logit
+    soft-capping, bidirectional attention."""
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} soft-caps its attention logits "
+            f"(attn_logit_softcapping={config.attn_logit_softcapping}); the engine's attention "
+            f"does not (supported families: {supported})."
+        )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} attends bidirectionally; the engine is causal "
+            f"(supported families: {supported})."
         )
 
 
@@ -260,6 +293,24 @@ class SublayerEngine:
         #: The attention's softmax scale (``1 / sqrt(head_dim)`` for these families).
         self.attention_scale: float = attn.scaling
         self._has_qk_norm = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
+        #: Whether each sublayer has a norm before and after it (Gemma 3: the one after
+        #: normalises the sublayer's output before the residual add).
+        self.sandwich_norms: bool = config.model_type in SANDWICH_MODEL_TYPES
+        #: Per layer, its sliding window in tokens, or None (full causal attention).
+        self.windows: list[int | None] = (
+            layer_windows(config) if self.sandwich_norms else [None] * self.num_layers
+        )
+        # Per layer, its rotary table's index in :meth:`rotary`'s stack (Gemma 3 has one
+        # table per layer type); None: one table for all layers.
+        self._rope_types: list[str] | None = None
+        self._rope_index: list[int] | None = None
+        if self.sandwich_norms:
+            self._rope_types = sorted(set(config.layer_types))
+            self._rope_index = [self._rope_types.index(t) for t in config.layer_types]
+        #: Soft cap of the final logits (``cap * tanh(logits / cap)``), or None.
+        self.final_logit_softcapping: float | None = getattr(
+            config, "final_logit_softcapping", None
+        )
         module = sys.modules[type(attn).__module__]
         self._apply_rotary: RotaryFn = module.apply_rotary_pos_emb
         parameter = next(model.parameters())
@@ -267,7 +318,11 @@ class SublayerEngine:
         self.dtype: torch.dtype = parameter.dtype
         limit = int(getattr(config, "max_position_embeddings", 1 << 30))
         window = getattr(config, "sliding_window", None)
-        if window is not None and getattr(config, "use_sliding_window", True):
+        if (
+            window is not None
+            and getattr(config, "use_sliding_window", True)
+            and not self.sandwich_norms  # its windows are attended as such
+        ):
             # A sliding window wider than the sequence is plain causal attention; beyond it
             # the results would differ, so it bounds the usable context.
             limit = min(limit, int(window))
@@ -322,7 +377,10 @@ class SublayerEngine:
         #: compiled call (:mod:`knapspec.model.layer_loop`; bitwise the same; False runs
         #: its items one by one, for A/B runs).
         self.compiled_loop: bool = True
-        compiled = compiled_layer_ops and exact and self.device.type == "cpu"
+        # Gemma's norms scale by 1 + w: its modules run (and serves_norms says no too).
+        compiled = (
+            compiled_layer_ops and exact and self.device.type == "cpu" and not self.sandwich_norms
+        )
         norms = [
             norm
             for layer in self.layers
@@ -673,15 +731,41 @@ class SublayerEngine:
         self, positions: torch.Tensor, like: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's rotary cos/sin for ``positions (q,)``: each ``(1, q, head_dim)``,
-        in the dtype of ``like``. :meth:`step_item` takes them precomputed."""
-        cos, sin = self.rotary_emb(like, positions.unsqueeze(0))
-        return cos, sin
+        in the dtype of ``like``; for a model with a table per layer type (Gemma 3) each
+        ``(types, q, head_dim)``, which :meth:`project_qkv` picks from per layer.
+        :meth:`step_item` takes them precomputed."""
+        return self.rotary_tables(like, positions.unsqueeze(0))
+
+    def rotary_tables(
+        self, like: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary cos/sin of ``positions (b, q)`` as the model's rotary module gives
+        them, ``(b, q, hd)`` each; stacked over the layer types, ``(types * b, q, hd)``, for
+        a model with one table per type (:meth:`layer_rotary` picks a layer's)."""
+        if self._rope_types is None:
+            cos, sin = self.rotary_emb(like, positions)
+            return cos, sin
+        tables = [self.rotary_emb(like, positions, kind) for kind in self._rope_types]
+        return torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables])
+
+    def layer_rotary(
+        self, layer_index: int, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_index``'s rotary tables out of :meth:`rotary_tables`' (the same
+        tensors where all layers share one)."""
+        if self._rope_index is None:
+            return cos, sin
+        assert self._rope_types is not None  # set with _rope_index
+        rows = cos.shape[0] // len(self._rope_types)
+        first = self._rope_index[layer_index] * rows
+        return cos[first : first + rows], sin[first : first + rows]
 
     def project_qkv(
         self, layer_index: int, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries ``(b, H, q, hd)`` and keys/values ``(b, kvH, q, hd)`` with rotary applied."""
         attn = self.layers[layer_index].self_attn
+        cos, sin = self.layer_rotary(layer_index, cos, sin)
         batch, q_len, _ = normed.shape
         shape = (batch, q_len, -1, self.head_dim)
         fused = self._fused_qkv[layer_index]
@@ -742,19 +826,32 @@ class SublayerEngine:
         return out.transpose(1, 2).reshape(batch, q_len, heads * head_dim)
 
     def attend_exact(
-        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        start: int,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Causal attention of ``q`` new tokens at positions ``start ..`` through the
         row-invariant kernel: ``query (H, q, hd)``, ``keys/values (kvH, start + q, hd)``
-        -> ``(1, q, H * hd)``; token ``t`` sees keys ``0 .. start + t``, and its output is
-        bitwise what a one-token step at ``start + t`` computes."""
+        -> ``(1, q, H * hd)``; token ``t`` sees keys ``0 .. start + t`` (the last
+        ``window`` of them in a sliding layer), and its output is bitwise what a one-token
+        step at ``start + t`` computes."""
         q_len = query.shape[1]
         lengths = torch.arange(start + 1, start + q_len + 1)
-        out = attend_rows(query, keys, values, lengths, self.attention_scale)  # (H, q, hd)
+        out = attend_rows_windowed(
+            query, keys, values, lengths, window, self.attention_scale
+        )  # (H, q, hd)
         return out.transpose(0, 1).reshape(1, q_len, self.num_heads * self.head_dim)
 
     def _attend_blocks(
-        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        start: int,
+        window: int | None = None,
     ) -> torch.Tensor:
         """:meth:`attend_exact` over blocks of at most ``EXACT_MAX_QUERIES`` query rows, each
         against the keys up to its last row: ``query (H, q, hd)``, ``keys/values
@@ -763,31 +860,87 @@ class SublayerEngine:
         block's rows cannot see (causal work only)."""
         q_len = query.shape[1]
         if q_len <= EXACT_MAX_QUERIES:
-            return self.attend_exact(query, keys, values, start)
+            return self.attend_exact(query, keys, values, start, window)
         blocks = []
         for first in range(0, q_len, EXACT_MAX_QUERIES):
             last = min(q_len, first + EXACT_MAX_QUERIES)
             end = start + last
             blocks.append(
                 self.attend_exact(
-                    query[:, first:last], keys[:, :end], values[:, :end], start + first
+                    query[:, first:last], keys[:, :end], values[:, :end], start + first, window
                 )
             )
         return torch.cat(blocks, dim=1)
 
     def _attend_tree(
-        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tree: TreeLayout
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        tree: TreeLayout,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Tree attention (:meth:`forward_tree`): ``query (1, H, q, hd)``, ``keys/values
         (1, kvH, start + q, hd)`` -> ``(1, q, H * hd)``. Exact engines use the tree mode of
         the row-invariant kernel (or its exact one-row-at-a-time fallback), bitwise a
         one-token step on the compacted path; others one masked SDPA call (correct up to
         rounding)."""
+        if window is not None and int(tree.positions.max()) + 1 > window:
+            return self._attend_tree_windowed(query, keys, values, tree, window)
         if not self.exact:
             return self._attend(query, keys, values, tree.mask(self.device))
         out = attend_tree_rows(
             query[0], keys[0], values[0], tree.prefix, tree.visible, self.attention_scale
         )
+        return out.transpose(0, 1).reshape(1, tree.size, self.num_heads * self.head_dim)
+
+    def _attend_tree_windowed(
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        tree: TreeLayout,
+        window: int,
+    ) -> torch.Tensor:
+        """:meth:`_attend_tree` in a sliding layer whose window some node's view exceeds:
+        node ``i`` (at position ``p``) sees its visible keys at positions ``> p - window``,
+        gathered in order and attended as one row, as the one-token step at ``p`` on the
+        compacted path attends them (exact engines through the row-invariant kernel: the
+        same keys, in the same order, the same count)."""
+        start = tree.start
+        visible = tree.mask(self.device)  # (q, start + q) bool
+        slots = torch.arange(visible.shape[1], device=self.device)
+        key_positions = torch.where(
+            slots < start, slots, tree.positions.to(self.device)[(slots - start).clamp(min=0)]
+        )
+        inside = window_visible(tree.positions.to(self.device), key_positions, window)
+        assert inside is not None
+        visible = visible & inside
+        rows = []
+        for node in range(tree.size):
+            index = visible[node].nonzero().squeeze(1)
+            row_keys, row_values = keys[0][:, index], values[0][:, index]
+            length = torch.tensor([index.numel()], dtype=torch.int64)
+            if self.exact:
+                rows.append(
+                    attend_rows_windowed(
+                        query[0][:, node : node + 1],
+                        row_keys,
+                        row_values,
+                        length,
+                        None,
+                        self.attention_scale,
+                    )
+                )
+            else:
+                rows.append(
+                    self._attend(
+                        query[:, :, node : node + 1], row_keys[None], row_values[None], None
+                    )
+                    .reshape(1, self.num_heads, self.head_dim)
+                    .transpose(0, 1)
+                )
+        out = torch.cat(rows, dim=1)  # (H, q, hd)
         return out.transpose(0, 1).reshape(1, tree.size, self.num_heads * self.head_dim)
 
     def _attention_item(
@@ -819,19 +972,40 @@ class SublayerEngine:
         end = start + q_len
         keys = cache.keys(layer_index, end).unsqueeze(0)
         values = cache.values(layer_index, end).unsqueeze(0)
+        window = self.windows[layer_index]
+        if window is not None and end <= window:
+            window = None  # no token here sees past the window: plain causal attention
         if tree is not None:
-            attended = self._attend_tree(query, keys, values, tree)
+            attended = self._attend_tree(query, keys, values, tree, window)
         elif self.chunk_invariant or (start == 0 and q_len > 1 and self._prefill_by_kernel()):
-            attended = self._attend_blocks(query[0], keys[0], values[0], start)
+            attended = self._attend_blocks(query[0], keys[0], values[0], start, window)
         elif self.exact and (start > 0 or q_len == 1) and q_len <= EXACT_MAX_QUERIES:
-            attended = self.attend_exact(query[0], keys[0], values[0], start)
+            attended = self.attend_exact(query[0], keys[0], values[0], start, window)
+        elif window is not None:
+            positions = torch.arange(start, end, device=self.device)
+            inside = window_visible(positions, torch.arange(end, device=self.device), window)
+            assert inside is not None
+            mask = causal_mask(start, q_len, self.device) & inside
+            attended = self._attend(query, keys, values, mask)
         elif start == 0 and q_len > 1:
             attended = self._attend(query, keys, values, None, is_causal=True)
         elif q_len == 1:
             attended = self._attend(query, keys, values, None)
         else:
             attended = self._attend(query, keys, values, causal_mask(start, q_len, self.device))
-        output: torch.Tensor = hidden + self.project(layer.self_attn.o_proj, attended)
+        return self.attention_residual(layer_index, hidden, attended)
+
+    def attention_residual(
+        self, layer_index: int, hidden: torch.Tensor, attended: torch.Tensor
+    ) -> torch.Tensor:
+        """The residual stream ``hidden (..., d)`` after layer ``layer_index``'s attention
+        whose heads' output is ``attended (..., H * hd)``: plus its output projection,
+        normalised first where the layers have a norm after each sublayer (Gemma 3)."""
+        layer = self.layers[layer_index]
+        out = self.project(layer.self_attn.o_proj, attended)
+        if self.sandwich_norms:
+            out = self.normed(layer.post_attention_layernorm, out)
+        output: torch.Tensor = hidden + out
         return output
 
     def mlp_item(
@@ -845,6 +1019,10 @@ class SublayerEngine:
             if stepped is not None:
                 return stepped
         layer = self.layers[layer_index]
+        if self.sandwich_norms:
+            fed = self._gated_mlp(layer_index, self.normed(layer.pre_feedforward_layernorm, hidden))
+            sandwiched: torch.Tensor = hidden + self.normed(layer.post_feedforward_layernorm, fed)
+            return sandwiched
         output: torch.Tensor = hidden + self._gated_mlp(
             layer_index, self.normed(layer.post_attention_layernorm, hidden)
         )
@@ -960,7 +1138,12 @@ class SublayerEngine:
         of ``q_len <= EXACT_MAX_QUERIES`` tokens or a token tree at ``start`` (where
         :meth:`_attention_item` attends through the row-invariant kernel); None for a
         prefill, an inexact engine, or where it does not serve."""
-        if not self.exact or q_len > EXACT_MAX_QUERIES or (start == 0 and q_len > 1):
+        if (
+            not self.exact
+            or self.sandwich_norms  # the lean pass computes the Llama layout only
+            or q_len > EXACT_MAX_QUERIES
+            or (start == 0 and q_len > 1)
+        ):
             return None
         cache.reserve(start + q_len)
         slots = torch.arange(start, start + q_len)
@@ -1032,8 +1215,11 @@ class SublayerEngine:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: ``(..., d_model) -> (..., vocab)`` in float32."""
-        logits: torch.Tensor = self.project(self.lm_head, self.final_norm(hidden)).float()
-        return logits
+        logits: torch.Tensor = self.project(self.lm_head, self.final_norm(hidden))
+        cap = self.final_logit_softcapping
+        if cap is not None:  # as the model's forward does, in the model's dtype
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     @torch.inference_mode()
     def step_item(
@@ -1121,10 +1307,17 @@ class SublayerEngine:
             [cache.values(layer_index, prefix_length), window_values], dim=1
         ).unsqueeze(0)
         mask = block_causal_mask(branches, q_len, prefix_length, self.device)
+        window = self.windows[layer_index]
+        if window is not None:
+            at = positions.to(self.device)
+            rows = at.repeat(branches)
+            columns = torch.cat([torch.arange(prefix_length, device=self.device), rows])
+            inside = window_visible(rows, columns, window)
+            assert inside is not None
+            mask = mask & inside
         attended = self._attend(query, keys, values, mask)  # (1, B*q, H*hd)
         attended = attended.reshape(branches, q_len, self.num_heads * self.head_dim)
-        output: torch.Tensor = hidden + self.project(layer.self_attn.o_proj, attended)
-        return output
+        return self.attention_residual(layer_index, hidden, attended)
 
     @torch.inference_mode()
     def run_masks(

@@ -15,14 +15,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from knapspec.model.dtypes import DTYPES, choose_dtype
-from knapspec.model.provision import DEFAULT_ALIASES, load_model_and_tokenizer
+from knapspec.model.provision import KNOWN_MODELS, is_known_model, load_model_and_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 class ModelPathError(ValueError):
-    """The model name is neither a default alias nor a transformers model directory."""
+    """The model name is neither a known model (or alias) nor a transformers model
+    directory."""
 
 
 class ModelLoadError(RuntimeError):
@@ -30,17 +31,20 @@ class ModelLoadError(RuntimeError):
 
 
 def check_model_path(name_or_path: str) -> None:
-    """Accept a default alias or a directory holding a ``config.json``.
+    """Accept a known model's name or alias (``default``, ``gemma-3-270m``, ...) or a
+    directory holding a ``config.json``.
 
     Raises:
         ModelPathError: no such directory, or one without a ``config.json``.
     """
-    if name_or_path.strip().lower() in DEFAULT_ALIASES:
+    if is_known_model(name_or_path):
         return
     if not Path(name_or_path).is_dir():
         raise ModelPathError(
-            f"{name_or_path!r}: no such directory; give 'default' or the path of "
-            "a local transformers model directory"
+            f"{name_or_path!r}: no such directory; give a known model "
+            f"('default', {', '.join(map(repr, KNOWN_MODELS))}) or the path of a local "
+            "transformers model "
+            "directory"
         )
     if not (Path(name_or_path) / "config.json").is_file():
         raise ModelPathError(
@@ -52,7 +56,7 @@ def check_model_path(name_or_path: str) -> None:
 def load_model(
     name_or_path: str, dtype: str = "float32"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The default model (provisioned on first use) or a local directory, in ``dtype``.
+    """A known model (provisioned on first use) or a local directory, in ``dtype``.
 
     ``dtype`` is ``float32``, ``bfloat16`` or ``auto``, resolved by
     :func:`knapspec.model.dtypes.choose_dtype`: ``auto`` loads float32 and measures a
@@ -60,7 +64,7 @@ def load_model(
 
     Raises:
         ModelPathError: see :func:`check_model_path`.
-        ProvisioningError: the default model could not be provisioned.
+        ProvisioningError: a known model could not be provisioned.
         ModelLoadError: the directory would not load.
     """
     check_model_path(name_or_path)

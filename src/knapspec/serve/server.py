@@ -61,7 +61,7 @@ def loader(
     def load() -> Backend:
         from knapspec.decoding.decoder import SpeculativeDecoder
         from knapspec.model.loading import load_model
-        from knapspec.model.provision import DEFAULT_ALIASES, DEFAULT_MODEL_NAME
+        from knapspec.model.provision import known_model
 
         loaded, tokenizer = load_model(model, dtype)
         decoder = SpeculativeDecoder.from_config(loaded, config)
@@ -72,12 +72,17 @@ def loader(
                 eos.add(source)
             elif source is not None:
                 eos.update(int(token) for token in source)
-        name = served_model_name or (
-            DEFAULT_MODEL_NAME if model.strip().lower() in DEFAULT_ALIASES else Path(model).name
-        )
+        known = known_model(model)
+        name = served_model_name or (known.name if known is not None else Path(model).name)
         backend = Backend(decoder, SharedTokenizer(tokenizer), name, limit, frozenset(eos))
         _warm_up(backend)
         LOG.info("serving %s: rows of %d tokens", name, limit)
+        if not backend.tokenizer.has_chat_template:
+            LOG.warning(
+                "%s has no chat template (a base model): /v1/chat/completions answers 400, "
+                "/v1/completions continues text",
+                name,
+            )
         return backend
 
     return load

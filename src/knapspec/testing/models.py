@@ -77,9 +77,16 @@ def tiny_engine(
 
 
 def tiny_model(family: str = "llama", num_layers: int = 3, seed: int = 0) -> PreTrainedModel:
-    """A random model of ``family`` (``"llama"``, ``"qwen2"``, ``"qwen3"`` or ``"mistral"``;
-    hidden 64, vocab 97, 4 query / 2 KV heads, no EOS) in eval mode, its LM head scaled by
-    8 so that greedy ties, which no two implementations resolve alike, are vanishingly rare.
+    """A random model of ``family`` (``"llama"``, ``"qwen2"``, ``"qwen3"``, ``"mistral"`` or
+    ``"gemma3"``; hidden 64, vocab 97, 4 query / 2 KV heads, no EOS) in eval mode, its LM
+    head scaled by 8 so that greedy ties, which no two implementations resolve alike, are
+    vanishingly rare.
+
+    ``"gemma3"`` is a Gemma 3 text model as the real one is laid out
+    (:data:`TINY_GEMMA3`): one K/V head for four query heads of 256, every layer but the
+    last (and every third) attending over a sliding window of 8 tokens, so that short
+    tests cross the window, a query scale from ``query_pre_attn_scalar`` that is not
+    ``head_dim``, and random norm weights (Gemma scales by ``1 + w``, zero at init).
     """
     import transformers
 
@@ -92,16 +99,33 @@ def tiny_model(family: str = "llama", num_layers: int = 3, seed: int = 0) -> Pre
             transformers.MistralForCausalLM,
             {"sliding_window": None},
         ),
+        "gemma3": (
+            transformers.Gemma3TextConfig,
+            transformers.Gemma3ForCausalLM,
+            {
+                **TINY_GEMMA3,
+                "layer_types": [
+                    "full_attention"
+                    if (i + 1) % 3 == 0 or i + 1 == num_layers
+                    else "sliding_attention"
+                    for i in range(num_layers)
+                ],
+            },
+        ),
     }
     if family not in classes:
         raise ValueError(f"family must be one of {', '.join(classes)}, got {family!r}")
     config_class, model_class, extra = classes[family]
     torch.manual_seed(seed)
     model: PreTrainedModel = model_class(
-        config_class(**TINY_FAMILY_SHAPE, **extra, num_hidden_layers=num_layers)
+        config_class(**{**TINY_FAMILY_SHAPE, **extra}, num_hidden_layers=num_layers)
     )
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
+        if family == "gemma3":
+            for name, parameter in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    parameter.uniform_(-0.5, 0.5)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = None
     model.train(False)  # eval mode
@@ -122,6 +146,15 @@ TINY_FAMILY_SHAPE: dict[str, Any] = {
     "eos_token_id": None,
     "bos_token_id": None,
     "pad_token_id": None,
+}
+
+
+#: What :func:`tiny_model` changes for ``"gemma3"`` (the layer types follow from the layers).
+TINY_GEMMA3: dict[str, Any] = {
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "sliding_window": 8,
+    "query_pre_attn_scalar": 64,
 }
 
 
@@ -192,6 +225,7 @@ def planning_context(
 
 __all__ = [
     "TINY_FAMILY_SHAPE",
+    "TINY_GEMMA3",
     "planning_context",
     "random_tokens",
     "random_window",
