@@ -323,10 +323,10 @@ def test_the_lemma_folds_gemmas_one_plus_w_final_norm_into_the_head() -> None:
 def test_continuous_batching_rows_equal_transformers_generate_alone(slots: int) -> None:
     """``generate_batch`` with lookup drafts and fewer slots than prompts: every row is
     ``model.generate`` of its prompt alone, past the window (transformers' sliding cache)."""
+    from knapspec.decoding.batch_policy import FixedLookupBatchPolicy
     from tests.test_batch import REPEATING
     from tests.tiny_models import greedy_reference
 
-    from knapspec.decoding.batch_policy import FixedLookupBatchPolicy
     from knapspec.decoding.decoder import SpeculativeDecoder
     from knapspec.planners import LookupPlanner
 

@@ -61,7 +61,6 @@ from knapspec.model.provenance import (
     file_sizes,
     problem,
 )
-from knapspec.paths import cache_root  # re-exported: callers that named it here keep working
 from knapspec.model.sources import (
     KnownModel,
     ProvisioningError,
@@ -70,6 +69,7 @@ from knapspec.model.sources import (
     say,
     sha256_file,
 )
+from knapspec.paths import cache_root  # re-exported: callers that named it here keep working
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
