@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.real_model] + ([] if bf16_units() else [pytest.mark.sl
 
 PROMPT_TOKENS = 1024
 NEW_TOKENS = 96
-SEEDS = (1, 2, 3)
+SEEDS = (1, 2)  # two prompts: the contract's cost in CI is one worker's few minutes
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_bf16_seeded_sampling_equals_bf16_plain_sampling(bf16) -> None:  # type:
     plain, drafting = _plain(model), _drafting(model)
     prompt = prompts[0]
     expected = plain.generate(prompt, max_new_tokens=NEW_TOKENS, sampling=params).tokens
-    for seed_offset in (0, 0, 1):  # the same seed twice, then another seed
+    for seed_offset in (0, 1):  # the seed, then another seed
         sampling = attrs.evolve(params, seed=params.seed + seed_offset)
         if seed_offset:
             expected = plain.generate(prompt, max_new_tokens=NEW_TOKENS, sampling=sampling).tokens
