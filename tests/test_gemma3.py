@@ -323,12 +323,12 @@ def test_the_lemma_folds_gemmas_one_plus_w_final_norm_into_the_head() -> None:
 def test_continuous_batching_rows_equal_transformers_generate_alone(slots: int) -> None:
     """``generate_batch`` with lookup drafts and fewer slots than prompts: every row is
     ``model.generate`` of its prompt alone, past the window (transformers' sliding cache)."""
-    from knapspec.decoding.batch_policy import FixedLookupBatchPolicy
     from tests.test_batch import REPEATING
     from tests.tiny_models import greedy_reference
 
     from knapspec.decoding.decoder import SpeculativeDecoder
     from knapspec.planners import LookupPlanner
+    from knapspec.planners.batch.policy import FixedLookupBatchPolicy
 
     decoder = SpeculativeDecoder(_engine(), planner=LookupPlanner())
     prompts = [REPEATING[:14], _tokens(3, 1).tolist(), REPEATING[5:11], _tokens(9, 2).tolist()]
@@ -379,5 +379,7 @@ def test_the_real_gemma_equals_transformers_and_keeps_the_contract_past_its_wind
     ours = engine.forward(ids, 0, engine.new_cache(600)).logits
     with torch.no_grad():
         reference = model(ids.unsqueeze(0)).logits[0].float()
-    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+    # float32 products summed in another order (the kernels this machine's table chose)
+    # move a logit by ~1e-4; a wrong window or norm moves them by whole units.
+    torch.testing.assert_close(ours, reference, atol=1e-3, rtol=1e-3)
     assert verification_mismatches(engine, ids[:590], ids[590:]) == []
