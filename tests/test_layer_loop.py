@@ -381,3 +381,30 @@ def test_weights_changed_after_planning_are_planned_again() -> None:
         again, _ = both()
         assert torch.equal(again, on)
     assert ran == [2, 2, 2]
+
+
+def test_ctrl_c_inside_a_callback_is_raised_when_the_loop_returns() -> None:
+    """Ctrl-C while the loop calls back into Python (a product it cannot call in C): a
+    KeyboardInterrupt there would be printed and dropped by ctypes, and the loop would run
+    on; it is held until the call returns, then raised, and the engine goes on."""
+    import os
+    import signal
+
+    engine = _engine("llama", torch.float32)
+    cache = engine.new_cache(16)
+    engine.forward(torch.tensor([1, 2, 3]), 0, cache, all_logits=False)
+    sent: list[int] = []
+
+    def interrupting(
+        x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if not sent:
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGINT)
+        return F.linear(x, weight, bias)
+
+    with engine.substituted_products(interrupting), pytest.raises(KeyboardInterrupt):
+        engine.forward(torch.tensor([4, 5]), 3, cache)
+    assert sent
+    cache.crop(3)
+    assert engine.forward(torch.tensor([4]), 3, cache).logits.isfinite().all()

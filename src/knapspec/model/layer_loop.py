@@ -25,9 +25,12 @@ that captures hidden states never asks.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import signal
+import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -323,6 +326,28 @@ def _products(scratch: torch.Tensor, plan: _Plan) -> Any:
     return _PRODUCT(product)
 
 
+@contextlib.contextmanager
+def _interrupts_after_the_call(callbacks: bool) -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) back until the compiled loop returns, where it calls back into
+    Python: a KeyboardInterrupt raised inside a ctypes callback is printed and dropped, and
+    the loop would run on with the interrupt lost. The held signal goes to the handler that
+    was in place (a KeyboardInterrupt by default) once the call is over."""
+    if not callbacks or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            if callable(previous):
+                previous(signal.SIGINT, None)
+            elif previous != signal.SIG_IGN:
+                raise KeyboardInterrupt
+
+
 def run_layers(
     engine: LoopEngine,
     buffers: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
@@ -383,30 +408,31 @@ def run_layers(
     token_row, token_step = packing if packing is not None else (None, None)
     flags = None if executed is None else (ctypes.c_uint8 * len(executed))(*executed)
     lengths, prefix, visible = attention.row_pointers()
-    status = library.knapspec_layer_loop(
-        out.data_ptr(),
-        len(engine.layers),
-        plan.pointers.data_ptr(),
-        plan.eps.data_ptr(),
-        kv_table.data_ptr(),
-        _function_table.data_ptr(),
-        dims.data_ptr(),
-        cos.data_ptr(),
-        sin.data_ptr(),
-        write_rows.data_ptr(),
-        write_positions.data_ptr(),
-        None if token_row is None else token_row.data_ptr(),
-        None if token_step is None else token_step.data_ptr(),
-        lengths,
-        prefix,
-        visible,
-        scale,
-        None if plan.silu is None else plan.silu.data_ptr(),
-        None if activate is None else ctypes.cast(activate, ctypes.c_void_p),
-        None if products is None else ctypes.cast(products, ctypes.c_void_p),
-        flags,
-        scratch.data_ptr(),
-    )
+    with _interrupts_after_the_call(activate is not None or products is not None):
+        status = library.knapspec_layer_loop(
+            out.data_ptr(),
+            len(engine.layers),
+            plan.pointers.data_ptr(),
+            plan.eps.data_ptr(),
+            kv_table.data_ptr(),
+            _function_table.data_ptr(),
+            dims.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            write_rows.data_ptr(),
+            write_positions.data_ptr(),
+            None if token_row is None else token_row.data_ptr(),
+            None if token_step is None else token_step.data_ptr(),
+            lengths,
+            prefix,
+            visible,
+            scale,
+            None if plan.silu is None else plan.silu.data_ptr(),
+            None if activate is None else ctypes.cast(activate, ctypes.c_void_p),
+            None if products is None else ctypes.cast(products, ctypes.c_void_p),
+            flags,
+            scratch.data_ptr(),
+        )
     if status:
         step = _STEPS[status // 1000] if status // 1000 < len(_STEPS) else "?"
         raise RuntimeError(f"the compiled layer loop failed in its {step} (status {status})")
