@@ -509,3 +509,27 @@ def test_custom_generate_refuses_by_name_what_it_cannot_honour(
     model, custom = _hf_pair()
     with pytest.raises(ValueError, match=re.escape(name)):
         model.generate(torch.tensor([PROMPT]), max_new_tokens=4, custom_generate=custom, **settings)
+
+
+def test_ctrl_c_dropped_in_a_finalizer_is_still_an_interrupt(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C landing in an object's ``__del__`` (seen in a tokenizer's regex cache) is one
+    Python prints and drops: the command records it instead, prints its one line and
+    exits 130, with no traceback; the previous unraisable hook comes back afterwards."""
+    import knapspec.cli as cli
+
+    class Finalised:
+        def __del__(self) -> None:
+            raise KeyboardInterrupt
+
+    def command(argv: object) -> int:
+        Finalised()  # collected at once: its KeyboardInterrupt is unraisable
+        return 0
+
+    hook = sys.unraisablehook
+    monkeypatch.setattr(cli, "_main", command)
+    assert cli.main([]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "knapspec: error: interrupted"
+    assert sys.unraisablehook is hook

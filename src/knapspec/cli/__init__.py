@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from knapspec.cli.inputs import DEFAULT_CHAPTER, DEFAULT_INSTRUCTION, default_prompt
 from knapspec.cli.parser import build_parser
@@ -35,8 +35,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``knapspec`` command line; returns the process exit code."""
     _one_line_cache_warnings()
     _announce_measurements()
+    lost: list[BaseException] = []
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = _lost_interrupts_into(lost, previous_hook)
     try:
-        return _main(argv)
+        code = _main(argv)
+        if lost:  # Ctrl-C was swallowed where Python cannot raise it (a finalizer)
+            raise KeyboardInterrupt
+        return code
     except KeyboardInterrupt:  # anywhere, the heavy imports included
         _error("interrupted")
         return 130
@@ -48,6 +54,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         _error("interrupted")
         return 130
+    finally:
+        sys.unraisablehook = previous_hook
+
+
+def _lost_interrupts_into(
+    lost: list[BaseException], previous: Callable[[sys.UnraisableHookArgs], object]
+) -> Callable[[sys.UnraisableHookArgs], None]:
+    """An unraisable-exception hook that records a KeyboardInterrupt Python can only print
+    and drop (Ctrl-C landing in an object's ``__del__`` or a C library's callback) into
+    ``lost`` instead of printing its traceback; :func:`main` answers it as the interrupt
+    it was. Anything else goes to ``previous``."""
+
+    def hook(unraisable: sys.UnraisableHookArgs) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            lost.append(unraisable.exc_value)
+        else:
+            previous(unraisable)
+
+    return hook
 
 
 def _caused_by_interrupt(error: BaseException) -> bool:
