@@ -169,8 +169,9 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return processed_scores(logits, params).softmax(dim=-1)
 
 
-# Candidates examined first for the nucleus; a language model's nucleus is usually far
-# smaller, and a full sort of a 50k vocabulary costs ~3 ms on a CPU (a top-64 ~0.05 ms).
+# Candidates examined first for the nucleus: a language model's nucleus is usually far
+# smaller, and a top-k of this many costs a small fraction of a full sort of the
+# vocabulary (figures: results/engine/HISTORY.md, "Figures behind docstrings").
 _FIRST_NUCLEUS_CANDIDATES = 64
 
 
@@ -205,8 +206,9 @@ def _nucleus_threshold(scores: torch.Tensor, top_p: float) -> torch.Tensor:
 def sample_token(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     """Draw one token from ``probs (vocab,)`` (need not be normalised) by inverting its CDF.
 
-    Tokens of probability 0 are never drawn. ``torch.multinomial`` does the same job in
-    ~0.8 ms on a 50k vocabulary; a float64 cumulative sum and a binary search take ~0.04 ms.
+    Tokens of probability 0 are never drawn. A float64 cumulative sum and a binary search
+    do ``torch.multinomial``'s job in a small fraction of its time on a large vocabulary
+    (figures: ``results/engine/HISTORY.md``, "Figures behind docstrings").
     """
     cumulative = probs.double().cumsum(dim=-1)
     point = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device)

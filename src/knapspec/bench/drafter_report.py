@@ -159,8 +159,9 @@ def decode_phase_table(data: RunData) -> str:
     """Per scenario, length and engine method: the speedup of the decoding phase alone.
 
     The wall-time speedup includes the prefill, which no drafter shortens: at a few
-    thousand prompt tokens it is a third to a half of a 128-token call on a 2-core CPU, so
-    ``ceiling`` (plain wall time over plain prefill) caps any wall-time speedup. Each call's
+    thousand prompt tokens it can be a large share of a 128-token call on a CPU (the
+    table's ``plain prefill share``), so ``ceiling`` (plain wall time over plain prefill)
+    caps any wall-time speedup. Each call's
     decode time (wall minus prefill) is compared with the mean of the plain calls before
     and after it on the same prompt, as the wall-time ratio is; median [min-max].
     """

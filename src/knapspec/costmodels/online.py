@@ -335,9 +335,10 @@ class OnlineCalibratedCostModel(CostModel):
 
         Observations are absorbed in order by the next prediction (or once
         ``MAX_PENDING`` are queued), so a decode step pays for a list append: on the
-        decoder's hot path, right after a forward, the RLS update's dozen numpy calls took
-        about 190 µs instead of the 11 µs they take in a loop (``docs/architecture.md``). The
-        result is the same as absorbing each one at once.
+        decoder's hot path, right after a forward, the RLS update's dozen numpy calls cost
+        many times what they cost in a quiet loop (measured in ``docs/architecture.md``,
+        "Where the design departs from the first sketch"). The result is the same as
+        absorbing each one at once.
         """
         if observation.kind == "draft":
             if observation.mask is None:

@@ -38,7 +38,7 @@ ATTENTION_IMPLEMENTATION = "knapspec-engine-r4"
 """Timings go through the engine's own arithmetic, not ``attn_implementation``. The suffix
 is the engine's kernel revision (r2: few-row linear layers, :mod:`knapspec.model.kernels`;
 r3: fused q/k/v and gate/up products, :mod:`knapspec.model.fusion`; r4: a full pass's
-layer loop in one compiled call, :mod:`knapspec.model.layer_loop`, 1.2-1.5x faster steps);
+layer loop in one compiled call, :mod:`knapspec.model.layer_loop`, which made steps faster);
 bump it whenever the engine's own code changes speed, so that older timings are refused. Which
 few-row kernels run is machine-specific and lives in the key's ``kernel_table`` field."""
 

@@ -56,8 +56,9 @@ widths such as 1, 2, 6, 11 would interpolate straight across. At the default
 
 
 #: Wall seconds a quick profile aims at (its repeats shrink to fit, down to one timed run
-#: after the warm-up): a step of a 1-8B model takes 0.1-1 s on a 2-core CPU, and the quick
-#: grid is some 30 steps a round. A small model's quick profile is well inside it.
+#: after the warm-up): a step of a 1-8B model on a CPU of a few cores takes up to about a
+#: second, and the quick grid is some 30 steps a round. A small model's quick profile is
+#: well inside it.
 QUICK_BUDGET_SECONDS = 30.0
 
 PLANNING_WIDTHS: tuple[int, ...] = (16, 32, 64)
@@ -126,8 +127,8 @@ def _sweep(
     """
     positions = torch.tensor([context], device=engine.device)
     # Each item alone through the engine's decode path. A draft step runs its items in the
-    # compiled layer loop (model/layer_loop.py), without the per-item Python timed here
-    # (~0.05 ms an item on a 2-core Zen 4), so these prices err on the dear side.
+    # compiled layer loop (model/layer_loop.py), without the per-item Python timed here,
+    # so these prices err on the dear side.
     rotary = engine.rotary(positions, hidden)
     attention: list[float] = []
     mlp: list[float] = []

@@ -1,12 +1,12 @@
 """The greedy token of logits rows, the same as ``torch.argmax`` and faster on CPU.
 
 Every verification takes the argmax of one vocabulary-long row per verified position. On
-CPU, torch's argmax of a float32 row of 49,152 logits (SmolLM2) takes 45-55 µs (2-core AMD
-EPYC Zen 4, torch 2.13: its index-tracking reduction is not vectorised), numpy's 5 µs;
-measured on a 16-row bf16 autoregressive round, 30.06 -> 29.64 ms (interleaved medians).
-Both return the first index of the largest value and count NaN as the largest
-(numpy's ``argmax`` and torch's document both), so the chosen token is the same bit for bit;
-other devices and dtypes numpy lacks (bfloat16) keep torch's.
+CPU, torch's argmax of a float32 row is several times slower than numpy's (its
+index-tracking reduction is not vectorised), a difference a batched round's time shows
+(figures: ``results/engine/HISTORY.md``, "Figures behind docstrings"). Both return the
+first index of the largest value and count NaN as the largest (numpy's ``argmax`` and
+torch's document both), so the chosen token is the same bit for bit; other devices and
+dtypes numpy lacks (bfloat16) keep torch's.
 """
 
 from __future__ import annotations

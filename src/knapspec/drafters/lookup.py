@@ -88,8 +88,9 @@ class LookupIndex:
     ``earlier[n][e]`` the end of the occurrence of the same gram before it (-1: none).
     Occurrences are read newest first along that chain, as many as wanted. The chains are
     flat lists of ints, not a list per gram: the garbage collector walks a few big objects
-    instead of hundreds of thousands of small ones (a list per gram made a full collection
-    pause indexing for 0.8 s at 30k tokens).
+    instead of hundreds of thousands of small ones (with a list per gram, a full collection
+    stalls indexing visibly once the sequence reaches tens of thousands of tokens; figures:
+    ``results/engine/HISTORY.md``, "Figures behind docstrings").
 
     Args:
         max_ngram: N, the longest n-gram indexed (>= 1).

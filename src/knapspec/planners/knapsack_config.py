@@ -91,8 +91,8 @@ class KnapsackPlannerConfig:
         max_batch_rows: bound on ``live budgets × window tokens`` per batched item call; the
             window is shortened (down to one token) to respect it. None: no bound. One DP
             costs about a full forward over this many tokens; 32 (13 budgets × 2 tokens
-            with the default ``max_budget``) keeps it near 4-5 decode steps on a 2-core CPU,
-            so it fits the planning budget of a 128-token answer.
+            with the default ``max_budget``) keeps it near 4-5 decode steps on a CPU, so it
+            fits the planning budget of a 128-token answer.
         decoupled: attention and MLP are separate items (KnapSpec); False ties each layer
             into one item (the ablation, CLaSp-like structure with KnapSpec's costs).
         objective: ``"tpt"`` (tokens per second, needs a cost model) or ``"tpl"`` (DEL's

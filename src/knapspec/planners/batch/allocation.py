@@ -9,8 +9,9 @@ Every candidate of a pass is priced at once in NumPy (:meth:`RoundPrices.rounds`
 running token count, widest row and attended seconds of the greedy order are cumulative
 sums and maxima, evaluated in the order the step-by-step loop added them, so the prices
 and the choice are bitwise the loop's (``tests/test_batch_allocation.py`` keeps that loop as
-the oracle). The loop had cost 3.8 ms of Python per 16-row round, a tenth of the round, on
-a 2-core AMD EPYC Zen 4, drafted or not.
+the oracle). The loop's Python would be paid by every batched round, drafted or not, a
+visible share of a wide round (figures: ``results/engine/HISTORY.md``, "Figures behind
+docstrings").
 """
 
 from __future__ import annotations
@@ -94,8 +95,9 @@ def lookup_bound(count: int, order: GreedyOrder, prices: RoundPrices) -> float:
     Any ``m`` drafted tokens bring at most the ``m`` largest increments (each row's fall
     along it), and a pass of ``count + m`` tokens costs at least its products and every
     row's attention at width 1 (attention grows with the width). Where even this bound
-    does not beat the plain step by the policy's margin, the search is skipped: at 16 rows
-    it had cost 2 ms of a 35 ms round on a 2-core AMD EPYC Zen 4, drafted or not.
+    does not beat the plain step by the policy's margin, the search is skipped: in a wide
+    batch it costs a visible share of every round, drafted or not (figures:
+    ``results/engine/HISTORY.md``, "Figures behind docstrings").
     """
     increments = order[0]
     tokens = np.cumsum(np.concatenate(([float(count)], increments)))
@@ -184,9 +186,10 @@ def best_lookup_allocations(
 ) -> list[tuple[float, list[int]]]:
     """:func:`best_lookup_allocation` for every cap ``1 .. caps`` at once: entry ``G - 1``
     is bitwise its answer for cap ``G`` (``order``: :func:`greedy_order` for ``caps`` or
-    more). One pass of NumPy over ``(caps, anchors, increments)`` instead of a pass per cap,
-    whose few dozen small array operations each had cost 0.8 ms of a 17 ms four-row round
-    on a 2-core AMD EPYC Zen 4. A cap's increments are the order's of depth ``<= G``; the
+    more). One pass of NumPy over ``(caps, anchors, increments)`` instead of a pass per cap:
+    each pass is a few dozen small array operations, whose fixed cost adds up to a visible
+    share of a small batch's round (figures: ``results/engine/HISTORY.md``, "Figures
+    behind docstrings"). A cap's increments are the order's of depth ``<= G``; the
     others add ``0.0`` to every running sum (which leaves it bitwise as it was) and repeat
     the candidate before them, so the first best candidate is always one the cap has."""
     count = len(gains)

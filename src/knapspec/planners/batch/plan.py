@@ -74,11 +74,12 @@ class DraftRealism:
 
     The policy drafts the rows and lengths whose estimated gains are largest, so the
     estimates it acts on are the lucky ones (the winner's curse), and a fresh row's
-    estimates are its priors. In closed bursts of 16 requests on a 2-core AMD EPYC Zen 4
-    (SmolLM2, bf16) the chosen drafts' rounds committed 6-11 % fewer tokens than expected,
-    and with the pass priced 7 % low drafting looked 18 % better than plain decoding where
-    it ran 1 % worse. Scaling every row's extra tokens by this factor turns the search's estimates
-    into what the chosen drafts have delivered.
+    estimates are its priors. In closed bursts of requests the chosen drafts' rounds
+    commit fewer tokens than expected, and with the pass priced low as well, drafting
+    looks better than plain decoding where it runs worse (figures:
+    ``results/engine/HISTORY.md``, "Figures behind docstrings"). Scaling every row's extra
+    tokens by this factor turns the search's estimates into what the chosen drafts have
+    delivered.
 
     Attributes:
         window: drafted rows the factor is taken over.

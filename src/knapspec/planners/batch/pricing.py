@@ -80,41 +80,40 @@ class BatchPassCalibration:
     """Measured / predicted seconds of batched verification passes, learned online.
 
     The cost model is fitted on single sequences; a batched pass (``rows × width`` tokens,
-    each row attending over its own cache) runs other kernel shapes. On a 2-core AMD EPYC
-    the prediction was up to 1.5x low for 8 rows × 5 tokens at 2k context and right for
-    8 rows × 1 token, so uncorrected the policy drafted where drafting lost. Each pass's
-    ratio is kept per size, and a size's correction is the median of its last ``window``
-    ratios; a size not seen yet borrows the correction of the nearest size seen (in log
-    scale), and before any pass it is 1 (the cost model as it is). A draft the cost model
-    makes look cheap is thus tried, then priced by what it really cost.
+    each row attending over its own cache) runs other kernel shapes. Its prediction can be
+    well low for rows of several tokens at a long context and right for rows of one token,
+    so uncorrected the policy drafts where drafting loses. Each pass's ratio is kept per
+    size, and a size's correction is the median of its last ``window`` ratios; a size not
+    seen yet borrows the correction of the nearest size seen (in log scale), and before any
+    pass it is 1 (the cost model as it is). A draft the cost model makes look cheap is thus
+    tried, then priced by what it really cost.
 
     A verification pass is sized by its row count and whether it drafted
     (``observe(tokens, ..., rows=rows)``: the cell ``(rows, drafted)``; an unseen cell
     borrows the nearest, a row count's log distance plus :data:`KIND_DISTANCE` between
-    kinds). Keyed by the total tokens alone, a plain
-    pass of 16 rows and a drafted pass of 6 rows feeding 16 tokens shared one correction
-    though the first pays every row's attention and bookkeeping; keyed by rows and tokens,
-    the search picked the token counts whose few samples happened to run fast. In closed
-    bursts of 16 requests on a 2-core AMD EPYC Zen 4 (SmolLM2, bf16) the first priced
-    plain 16-row passes 11 % high and drafted ones 7 % low (drafting looked 18 % better
-    than plain where it ran 1 % worse); with one cell per row count and kind both prices
-    came within 2 % of the passes. The cost model's own prices carry how a pass grows with
-    its tokens. A size without rows (``factor(rows)`` of batched sub-network steps) is one
-    number.
+    kinds). Keyed by the total tokens alone, a plain pass of 16 rows and a drafted pass of
+    6 rows feeding 16 tokens would share one correction though the first pays every row's
+    attention and bookkeeping: plain passes come out priced high and drafted ones low, and
+    drafting looks better than plain decoding where it runs worse. Keyed by rows and
+    tokens, the search would pick the token counts whose few samples happened to run
+    fast. One cell per row count and kind prices both kinds of pass closely. The cost
+    model's own prices carry how a pass grows with its tokens. A size without rows
+    (``factor(rows)`` of batched sub-network steps) is one number.
 
     A median, not an average: the first pass at a new row count can run several times
-    slower than the next (buffers of a new size; 194 ms against 29 for the first 16-row
-    bf16 pass of SmolLM2 on a 2-core AMD EPYC Zen 4), and VM hiccups come in bursts of
-    2-10x. An exponential average seeded by that first pass priced every later 16-row
-    plain pass at 2.3x for good (the policy then always drafted at 16 rows, so no plain
-    pass ever corrected it), and drafting lost 6 % of throughput there.
+    slower than the next (buffers of a new size), and a virtual machine's hiccups come in
+    bursts. An exponential average seeded by that first pass prices every later plain pass
+    of that row count far too high for good (the policy then always drafts at that row
+    count, so no plain pass ever corrects it), and drafting loses throughput there.
 
     The one price this cannot learn is that of a pass never run: a plain pass (every row
     one token) of a row count the policy has only drafted at borrows the ratio of drafted
-    passes, which on a 2-core AMD EPYC Zen 4 over-priced it (13 rows: predicted 282
-    tok/s, ran ~317), so drafting kept winning on paper. :attr:`plain_passes` counts the
-    plain passes per row count, and the policy runs one where fewer than
-    :data:`PLAIN_SAMPLES` have run.
+    passes, which can over-price it, so drafting keeps winning on paper.
+    :attr:`plain_passes` counts the plain passes per row count, and the policy runs one
+    where fewer than :data:`PLAIN_SAMPLES` have run.
+
+    The measurements behind each of these choices: ``results/engine/HISTORY.md``,
+    "Figures behind docstrings".
 
     Attributes:
         window: ratios per size the median is taken over (at least 1).
@@ -224,7 +223,7 @@ class RoundPrices:
         self._products: dict[int, float] = {}
         self._attention: dict[int, float] = {}
         # The calibration does not change within a round, and the search asks for the
-        # same token counts thousands of times (a 16-row round: 30 ms of Python before).
+        # same token counts thousands of times: each factor is looked up once a round.
         self._factors: dict[int, float] = {}
         self._step: float | None = None
         # The same prices as arrays, for pricing many candidates at once (:meth:`rounds`).
