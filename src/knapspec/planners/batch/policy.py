@@ -1,41 +1,39 @@
-"""How many tokens each row of a batch drafts this round, and with which drafter.
+"""The batch search: how many tokens each row of a batch drafts, priced as a whole.
 
 A batched round verifies every active row in one full-model pass: row ``r`` feeds
 ``1 + γ_r`` tokens; the linear products run over the ``Σ_r (1 + γ_r)`` real tokens packed
 together, attention over the rows padded to ``q = 1 + max_r γ_r``. Its cost is one number
-for the whole batch, so the decision is made at batch level:
+for the whole batch, so the decision is made at batch level.
 
-* :class:`CostModelBatchPolicy` (the default whenever the decoder has a cost model)
-  chooses each row's ``γ_r``: drafting ``k`` lookup tokens, row ``r`` commits ``E_r(k)``
-  tokens in expectation, from its own online per-bucket acceptance
-  (:class:`~knapspec.drafters.acceptance.LookupAcceptance`), the extra tokens scaled by
-  what the chosen drafts have delivered (:class:`DraftRealism`). The round's cost is the
-  cost model's verify cost split into the products over all ``T = Σ_r (1 + γ_r)`` packed
-  tokens and each row's attention over its own cache (:func:`packed_verify_cost`). For
-  each cap ``G`` on the padded width it takes the rows' marginal gains
-  ``E_r(k) - E_r(k - 1)`` largest first (they fall along each row, so the first ``m``
-  are the best ``m`` draft tokens of the batch) and keeps the count of the highest tokens
-  per second ``Σ_r E_r(γ_r) / cost``. It drafts only when the best round beats the plain
-  batch step (all ``γ_r = 0``) by ``margin``; a wide batch, whose products have left the
-  few-row regime where extra tokens are nearly free, chooses ``G = 0`` by itself. How far
-  batched passes stray from the cost model's price is learned from every pass
-  (:class:`BatchPassCalibration`). With a layer-skipping sub-network on offer
-  (:class:`BatchSubnetwork`, the mask the decoder's planner chose on the batch's first
-  row), every cap is also priced with the sub-network drafting up to ``G`` tokens in one
-  batched masked pass per token (:func:`batched_draft_cost`) for the rows whose expected
-  tokens ``Σ_{i≤γ} α_r^i`` beat their lookup allocation's.
-* :class:`FixedLookupBatchPolicy` drafts up to ``k`` lookup tokens in every row with a
-  match (the fixed-length ablation; tests force ragged acceptance with it).
-* :class:`FixedSubnetworkBatchPolicy` drafts ``k`` sub-network tokens in every row (the
-  batched counterpart of the static planner; the tests use it to force layer-skip drafts).
-* :class:`PlainBatchPolicy` never drafts.
+:class:`CostModelBatchPolicy` (the default whenever the decoder has a cost model) chooses
+each row's ``γ_r``: drafting ``k`` lookup tokens, row ``r`` commits ``E_r(k)`` tokens in
+expectation, from its own online per-bucket acceptance
+(:class:`~knapspec.drafters.acceptance.LookupAcceptance`), the extra tokens scaled by what
+the chosen drafts have delivered (:class:`DraftRealism`). The round's cost is the cost
+model's verify cost split into the products over all ``T = Σ_r (1 + γ_r)`` packed tokens
+and each row's attention over its own cache (:func:`packed_verify_cost`). For each cap
+``G`` on the padded width it takes the rows' marginal gains ``E_r(k) - E_r(k - 1)``
+largest first (they fall along each row, so the first ``m`` are the best ``m`` draft
+tokens of the batch) and keeps the count of the highest tokens per second
+``Σ_r E_r(γ_r) / cost``. It drafts only when the best round beats the plain batch step
+(all ``γ_r = 0``) by ``margin``; a wide batch, whose products have left the few-row regime
+where extra tokens are nearly free, chooses ``G = 0`` by itself. How far batched passes
+stray from the cost model's price is learned from every pass
+(:class:`BatchPassCalibration`). With a layer-skipping sub-network on offer
+(:class:`BatchSubnetwork`, the mask the decoder's planner chose on the batch's first row),
+every cap is also priced with the sub-network drafting up to ``G`` tokens in one batched
+masked pass per token (:func:`batched_draft_cost`) for the rows whose expected tokens
+``Σ_{i≤γ} α_r^i`` beat their lookup allocation's.
 
-A round's choice is a :class:`RoundPlan` (each row's γ, and its drafter).
+The interface every policy implements (:class:`BatchDraftPolicy`) and the policies that
+decide without pricing (:class:`PlainBatchPolicy`, :class:`FixedLookupBatchPolicy`,
+:class:`FixedSubnetworkBatchPolicy`) live in :mod:`~knapspec.planners.batch.base`; this
+module re-exports them, so it names every batch policy. A round's choice is a
+:class:`RoundPlan` (each row's γ, and its drafter).
 """
 
 from __future__ import annotations
 
-import abc
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,7 +42,17 @@ import numpy as np
 from knapspec.costmodels.base import CostModel
 from knapspec.drafters.acceptance import LookupAcceptance
 from knapspec.drafters.base import Draft
-from knapspec.planners.batch.allocation import best_lookup_allocations, greedy_order, lookup_bound
+from knapspec.planners.batch.allocation import (
+    best_lookup_allocations,
+    greedy_order,
+    lookup_bound,
+)
+from knapspec.planners.batch.base import (
+    BatchDraftPolicy,
+    FixedLookupBatchPolicy,
+    FixedSubnetworkBatchPolicy,
+    PlainBatchPolicy,
+)
 from knapspec.planners.batch.plan import (
     BatchSubnetwork,
     DraftRealism,
@@ -61,137 +69,6 @@ from knapspec.planners.batch.pricing import (
 from knapspec.planners.objective import chained_expected_tokens
 
 FloatArray = np.ndarray[Any, np.dtype[np.float64]]
-
-
-class BatchDraftPolicy(abc.ABC):
-    """Chooses each active row's draft length γ_r (and drafter) for one batched round.
-
-    A policy that only drafts lookup tokens implements :meth:`draft_lengths`; one that
-    also drafts with the sub-network overrides :meth:`plan_round`.
-    """
-
-    #: The sub-network on offer in this batch (None: lookup drafts only).
-    subnetwork: BatchSubnetwork | None = None
-
-    def reset(self, rows: int) -> None:
-        """Start a batch of ``rows`` rows (forget per-row state)."""
-        return None
-
-    def use_subnetwork(self, subnetwork: BatchSubnetwork | None) -> None:
-        """Offer ``subnetwork`` to the rounds of this batch (None withdraws it); called
-        after :meth:`reset`."""
-        self.subnetwork = subnetwork
-
-    def plan_round(
-        self,
-        rows: Sequence[int],
-        proposals: Sequence[Draft],
-        context_lengths: Sequence[int],
-        rooms: Sequence[int],
-    ) -> RoundPlan:
-        """This round's plan: by default each row's :meth:`draft_lengths` lookup tokens.
-
-        Args:
-            rows, proposals, context_lengths: as :meth:`draft_lengths`.
-            rooms: per active row, the most tokens it may draft (token limit, context).
-        """
-        return RoundPlan.lookup(self.draft_lengths(rows, proposals, context_lengths))
-
-    @abc.abstractmethod
-    def draft_lengths(
-        self, rows: Sequence[int], proposals: Sequence[Draft], context_lengths: Sequence[int]
-    ) -> list[int]:
-        """Per active row, how many of its proposal's tokens to draft (0..len(proposal)).
-
-        Args:
-            rows: the active rows' indices in the batch (their order in the step).
-            proposals: each active row's lookup proposal (maybe empty).
-            context_lengths: each active row's committed tokens.
-        """
-
-    def observe(self, row: int, proposal: Draft, committed: Sequence[int]) -> None:
-        """Row ``row``'s round is done: its proposal and the tokens it committed."""
-        return None
-
-    def observe_pass(
-        self,
-        rows: int,
-        width: int,
-        context: int,
-        seconds: float,
-        widths: Sequence[int] | None = None,
-    ) -> None:
-        """A batched verification of ``rows`` rows padded to ``width`` tokens (row ``r``
-        feeding ``widths[r]`` real tokens; all ``width`` when None) at mean context
-        ``context`` took ``seconds``."""
-        return None
-
-    def observe_subnetwork(self, row: int, drafted: int, accepted: int) -> None:
-        """Row ``row`` drafted ``drafted`` sub-network tokens and ``accepted`` of them
-        were accepted."""
-        return None
-
-    def observe_draft_pass(self, rows: int, context: int, seconds: float) -> None:
-        """One batched sub-network step over ``rows`` rows at mean context ``context``
-        took ``seconds``."""
-        return None
-
-
-class PlainBatchPolicy(BatchDraftPolicy):
-    """γ = 0 for every row: batched plain decoding."""
-
-    def draft_lengths(
-        self, rows: Sequence[int], proposals: Sequence[Draft], context_lengths: Sequence[int]
-    ) -> list[int]:
-        return [0] * len(proposals)
-
-
-class _FixedLengthPolicy(BatchDraftPolicy):
-    """A policy that drafts a fixed ``draft_length`` (k >= 1) tokens where it drafts."""
-
-    def __init__(self, draft_length: int = 3) -> None:
-        if draft_length < 1:
-            raise ValueError(f"draft_length must be >= 1, got {draft_length}")
-        self.draft_length = draft_length
-
-
-class FixedLookupBatchPolicy(_FixedLengthPolicy):
-    """Up to ``draft_length`` lookup tokens in every row whose suffix matches.
-
-    Args:
-        draft_length: k >= 1.
-    """
-
-    def draft_lengths(
-        self, rows: Sequence[int], proposals: Sequence[Draft], context_lengths: Sequence[int]
-    ) -> list[int]:
-        return [min(self.draft_length, len(proposal)) for proposal in proposals]
-
-
-class FixedSubnetworkBatchPolicy(_FixedLengthPolicy):
-    """``draft_length`` sub-network tokens in every row each round (as far as the row's
-    room allows); nothing while no sub-network is on offer.
-
-    Args:
-        draft_length: k >= 1.
-    """
-
-    def draft_lengths(
-        self, rows: Sequence[int], proposals: Sequence[Draft], context_lengths: Sequence[int]
-    ) -> list[int]:
-        return [0] * len(proposals)
-
-    def plan_round(
-        self,
-        rows: Sequence[int],
-        proposals: Sequence[Draft],
-        context_lengths: Sequence[int],
-        rooms: Sequence[int],
-    ) -> RoundPlan:
-        if self.subnetwork is None:
-            return RoundPlan.lookup([0] * len(rows))
-        lengths = tuple(min(self.draft_length, room) for room in rooms)
-        return RoundPlan(lengths, tuple(length > 0 for length in lengths))
 
 
 class CostModelBatchPolicy(BatchDraftPolicy):
