@@ -22,7 +22,14 @@ from knapspec.decoding.row import Row
 from knapspec.decoding.sampler import TokenSampler
 from knapspec.decoding.stats import GenerationStats, PlanRecord
 from knapspec.decoding.tree_round import TreeRoundParts, verify_tree_round
-from knapspec.drafters.base import NO_DRAFT, Draft, Drafter, DraftRequest, DraftTarget, Verification
+from knapspec.drafters.base import (
+    NO_DRAFT,
+    Draft,
+    Drafter,
+    DraftRequest,
+    DraftTarget,
+    Verification,
+)
 from knapspec.errors import NonFiniteLogitsError
 from knapspec.planners.base import Planner, PlanningContext
 from knapspec.request import LogitsProcessor, Request, draft_room
