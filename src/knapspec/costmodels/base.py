@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -87,6 +88,38 @@ class CostModel(Component, abc.ABC):
     def weights(self, context_length: int) -> tuple[int, int]:
         """Integer knapsack weights ``(w_attn, w_mlp)`` at ``context_length``."""
         return knapsack_weights(self.t_attn(context_length), self.t_mlp())
+
+    def item_weights(self, context_length: int, windows: Sequence[int | None]) -> tuple[int, ...]:
+        """``(2L,)`` integer knapsack weight of each engine item (attention ``2i``, MLP
+        ``2i + 1``) at ``context_length`` for a model whose layer ``i`` attends over the
+        sliding window ``windows[i]`` (None: every key).
+
+        Without windows every attention item weighs ``w_attn`` and every MLP ``w_mlp``
+        (:meth:`weights`). With them the attention items form one class per window (the
+        global layers one more): a class's time is its layers' mean ``t_attn(n, i)``,
+        ``Δ`` the least of the class times and ``t_mlp()``, and each weight
+        ``round(t / Δ)`` (at least 1), so that past the window a local layer weighs less
+        than a global one.
+        """
+        layers = len(windows)
+        if all(window is None for window in windows):
+            w_attn, w_mlp = self.weights(context_length)
+            return (w_attn, w_mlp) * layers
+        classes = {
+            window: [i for i in range(layers) if windows[i] == window]
+            for window in dict.fromkeys(windows)
+        }
+        times = {
+            window: sum(self.t_attn(context_length, i) for i in members) / len(members)
+            for window, members in classes.items()
+        }
+        t_mlp = self.t_mlp()
+        if not (t_mlp > 0 and all(t > 0 for t in times.values())):
+            raise ValueError(f"item latencies must be positive, got {times} and t_mlp={t_mlp}")
+        delta = min(t_mlp, *times.values())
+        attention = {window: max(1, round(t / delta)) for window, t in times.items()}
+        w_mlp = max(1, round(t_mlp / delta))
+        return tuple(w for window in windows for w in (attention[window], w_mlp))
 
     def observe(self, observation: LatencyObservation) -> None:
         """Learn from a measured step; static models ignore it."""

@@ -9,6 +9,10 @@ From a :class:`~knapspec.costmodels.profile.LatencyProfile`, by non-negative lea
 * ``t_verify(k, n) = A_k + B_k·n`` for a full forward over ``k`` tokens: one line in the
   context per verification width ``k`` (see :func:`fit_verify_law`).
 
+With sliding-window (local) layers (:mod:`~knapspec.costmodels.local_layers`), ``n`` is the
+effective context: ``min(n, W_i)`` in layer ``i``'s attention line, the layers' mean of it
+in the verify law. A model without windows is fitted and priced exactly as before.
+
 The verify law is measured, not assumed. The paper prices verification as one target step
 (``L·(t_attn + t_mlp)`` for any ``k``), which holds on a GPU but not on a CPU. Nor is the
 cost linear in ``k`` there: BLAS processes the rows of the few-row linear kernel
@@ -27,10 +31,16 @@ from typing import TYPE_CHECKING, Any, Self
 import attrs
 import numpy as np
 from numpy.typing import NDArray
-from sklearn.linear_model import LinearRegression
 
 from knapspec.costmodels.base import COST_MODELS, CostModel
-from knapspec.costmodels.profile import LatencyProfile, ProfileError, VerifyTiming
+from knapspec.costmodels.fitting import (
+    fit_verify_law,
+    fit_windowed_attention,
+    nonnegative_lstsq,
+    verify_features,
+)
+from knapspec.costmodels.local_layers import Windows, effective_context, mean_effective_context
+from knapspec.costmodels.profile import LatencyProfile, ProfileError
 from knapspec.costmodels.store import load_or_measure_profile
 from knapspec.types import SublayerMask
 from knapspec.validators import non_empty_string, optional
@@ -122,94 +132,6 @@ class LinearCoefficients:
         )
 
 
-def verify_features(contexts: NDArray[np.float64]) -> NDArray[np.float64]:
-    """Design matrix ``(m, 2)`` of one width's verify line: ``[1, n]``."""
-    return np.stack([np.ones_like(contexts), contexts], axis=1)
-
-
-def _lstsq(design: NDArray[np.float64], target: NDArray[np.float64]) -> NDArray[np.float64]:
-    """Non-negative least squares: ``(p,)`` for ``target (m,)``, ``(p, t)`` for ``(m, t)``.
-
-    Every coefficient of these laws is a time or a time per token, so none may be
-    negative: on a noisy machine unconstrained least squares can fit attention that gets
-    *faster* with context, which would give absurd knapsack weights at long context.
-    """
-    if target.ndim == 1:
-        return _lstsq(design, target[:, None])[:, 0]
-    regression = LinearRegression(fit_intercept=False, positive=True)
-    columns = [regression.fit(design, column).coef_.copy() for column in target.T]
-    return np.stack(columns, axis=1).astype(np.float64)
-
-
-def fit_verify_law(
-    timings: Sequence[VerifyTiming],
-) -> tuple[NDArray[np.float64], tuple[int, ...]]:
-    """Per-width verify lines ``t_verify(k, n) = A_k + B_k·n`` from measured forwards.
-
-    * A width measured at >= 2 contexts gets its own non-negative least-squares line.
-    * A width measured at one context only keeps its measured time there and borrows the
-      slope ``B`` of the widths that have lines (linearly interpolated in ``k``, the
-      nearest one beyond them): attention over the context grows with ``k`` too, so a slope
-      of 0 would misprice it at every other context. The slope is lowered where needed to
-      keep ``A_k >= 0``.
-    * A width between two measured widths is interpolated linearly in ``k`` (each
-      coefficient, so each prediction lies between its neighbours' at every context).
-    * A width below the narrowest measured one gets that width's line: the cost does not
-      fall with ``k``, so this is an upper bound (profiles always measure ``k = 1``).
-
-    Args:
-        timings: the profile's verification forwards (any order, repeats allowed).
-
-    Returns:
-        ``table`` ``(K, 2)`` with row ``k - 1 = (A_k, B_k)`` for ``k = 1..K``, ``K`` the
-        widest measured width (wider: :func:`verify_line`), and the measured widths.
-
-    Raises:
-        ProfileError: fewer than two widths, or no width measured at two contexts.
-    """
-    by_width: dict[int, list[tuple[float, float]]] = {}
-    for timing in timings:
-        by_width.setdefault(int(timing.tokens), []).append(
-            (float(timing.context_length), float(timing.seconds))
-        )
-    widths = sorted(by_width)
-    contexts_of = {k: {n for n, _ in by_width[k]} for k in widths}
-    if len(widths) < 2:
-        raise ProfileError(
-            "fitting t_verify(k, n) needs verification timings at >= 2 token counts; the "
-            f"profile has k in {widths}"
-        )
-    lined = [k for k in widths if len(contexts_of[k]) >= 2]
-    if not lined:
-        raise ProfileError(
-            "fitting t_verify(k, n) = A_k + B_k·n needs some width k timed at >= 2 contexts; "
-            "the profile has "
-            + ", ".join(f"k={k} at n in {sorted(contexts_of[k])}" for k in widths)
-        )
-    lines: dict[int, tuple[float, float]] = {}
-    for k in lined:
-        points = np.array(by_width[k])  # (m, 2): context, seconds
-        a, b = _lstsq(verify_features(points[:, 0]), points[:, 1])
-        lines[k] = (float(a), float(b))
-    lined_slopes = np.array([lines[k][1] for k in lined])
-    for k in widths:
-        if k in lines:
-            continue
-        points = np.array(by_width[k])
-        context, seconds = float(points[:, 0].mean()), float(points[:, 1].mean())
-        slope = float(np.interp(k, lined, lined_slopes))
-        if context > 0:
-            slope = min(slope, seconds / context)  # A_k = seconds - slope·context >= 0
-        lines[k] = (seconds - slope * context, slope)
-    table = np.array([lines[k] for k in widths])  # (W, 2) at the measured widths
-    every = np.arange(1, widths[-1] + 1)
-    # Below the narrowest measured width np.interp holds its values: the flat rule above.
-    full = np.stack([np.interp(every, widths, table[:, j]) for j in range(2)], axis=1)
-    for k in widths:  # exact measured lines, not re-interpolated ones
-        full[k - 1] = lines[k]
-    return full.astype(np.float64), tuple(widths)
-
-
 @attrs.frozen
 class FittedLinearCostModelConfig:
     """Hyper-parameters of :class:`FittedLinearCostModel`.
@@ -247,6 +169,9 @@ class FittedLinearCostModel(CostModel):
             for widths ``k = 1..K`` (wider: :func:`verify_line`).
         verify_intercept, verify_slope: ``(K,)`` views of its columns.
         verify_widths: the widths that were measured (the others are interpolated).
+        windows: the profile's sliding windows (``()``: none); with them ``n`` in the
+            laws above is the effective context (:meth:`attention_context`,
+            :meth:`mean_attention_context`).
         item_floor: no item is predicted faster than this (half the fastest measured item),
             so a line fitted to noisy points cannot drive a knapsack weight to infinity.
     """
@@ -289,12 +214,14 @@ class FittedLinearCostModel(CostModel):
         self._verify_a = [float(a) for a in self.verify_intercept]
         self._verify_b = [float(b) for b in self.verify_slope]
         self.num_layers = len(mlp)
+        self.windows: Windows = profile.windows
         self.item_floor = max(item_floor, MIN_SECONDS)
         # Plain floats: a draft step's cost is then O(L) arithmetic with no numpy calls.
         self._items = [
             (float(a), float(b), float(c))
             for a, b, c in zip(attn_intercept, attn_slope, mlp, strict=True)
         ]
+        self._layer_windows = self.windows or (None,) * self.num_layers
         self._mean_attn_intercept = float(attn_intercept.mean())
         self._mean_attn_slope = float(attn_slope.mean())
         self._mean_mlp = float(mlp.mean())
@@ -319,19 +246,23 @@ class FittedLinearCostModel(CostModel):
         mlp_table = np.asarray(profile.mlp_seconds, dtype=np.float64)  # (L, C)
         layers = attention.shape[0]
         design = np.stack([np.ones_like(contexts), contexts], axis=1)  # (C, 2)
-        if pooled:
+        if profile.windows:  # local layers: lines in min(n, W_i) (fitting.py)
+            intercept, slope = fit_windowed_attention(contexts, attention, profile.windows, pooled)
+        elif pooled:
             # One line through every layer's points: stacking the layers' rows is the same
             # least-squares problem as fitting the layer-mean curve.
-            coef = _lstsq(np.tile(design, (layers, 1)), attention.reshape(-1))
+            coef = nonnegative_lstsq(np.tile(design, (layers, 1)), attention.reshape(-1))
             intercept = np.full(layers, coef[0])
             slope = np.full(layers, coef[1])
+        else:
+            coef = nonnegative_lstsq(design, attention.T)  # (2, L): one column per layer
+            intercept, slope = coef[0].copy(), coef[1].copy()
+        if pooled:
             mlp = np.full(layers, float(np.median(mlp_table)))
         else:
-            coef = _lstsq(design, attention.T)  # (2, L): one column per layer
-            intercept, slope = coef[0].copy(), coef[1].copy()
             mlp = np.median(mlp_table, axis=1)
 
-        verify_coef, verify_widths = fit_verify_law(profile.verify)
+        verify_coef, verify_widths = fit_verify_law(profile.verify, profile.windows)
         overhead = float(np.median(profile.overhead_seconds))
         item_floor = 0.5 * float(min(attention.min(), mlp_table.min()))
         return cls(
@@ -367,11 +298,27 @@ class FittedLinearCostModel(CostModel):
         return cls.from_profile(profile, pooled=pooled)
 
     # --------------------------------------------------------------- predictions
+    def attention_context(self, context_length: int, layer: int) -> int:
+        """The context layer ``layer``'s attention pays for: ``min(n, W)``, or ``n``."""
+        return effective_context(context_length, self._layer_windows[layer])
+
+    def mean_attention_context(self, context_length: int) -> float:
+        """The layers' mean effective context (``n`` without windows): the ``n`` of the
+        verify law and of the layer-mean ``t_attn``."""
+        return mean_effective_context(context_length, self.windows)
+
     def t_attn(self, context_length: int, layer: int | None = None) -> float:
-        if layer is None:
-            value = self._mean_attn_intercept + self._mean_attn_slope * context_length
+        if layer is not None:
+            context = self.attention_context(context_length, layer)
+            value = float(self.attn_intercept[layer] + self.attn_slope[layer] * context)
+        elif self.windows:
+            paid = sum(
+                b * effective_context(context_length, w)
+                for (_, b, _), w in zip(self._items, self.windows, strict=True)
+            )
+            value = self._mean_attn_intercept + paid / self.num_layers
         else:
-            value = float(self.attn_intercept[layer] + self.attn_slope[layer] * context_length)
+            value = self._mean_attn_intercept + self._mean_attn_slope * context_length
         return max(value, self.item_floor)
 
     def t_mlp(self, layer: int | None = None) -> float:
@@ -385,10 +332,13 @@ class FittedLinearCostModel(CostModel):
         if tokens < 1:
             raise ValueError(f"verification needs tokens >= 1, got {tokens}")
         a, b = verify_line(self._verify_a, self._verify_b, tokens)
+        if self.windows:
+            return max(a + b * self.mean_attention_context(context_length), MIN_SECONDS)
         return max(a + b * context_length, MIN_SECONDS)
 
     def verify_law(self, tokens: int) -> tuple[float, float]:
-        """``(A_k, B_k)`` of ``t_verify(k, n) = A_k + B_k·n`` for ``k = tokens`` (seconds)."""
+        """``(A_k, B_k)`` of ``t_verify(k, n) = A_k + B_k·n`` for ``k = tokens`` (seconds;
+        ``n`` is :meth:`mean_attention_context`)."""
         if tokens < 1:
             raise ValueError(f"verification needs tokens >= 1, got {tokens}")
         return verify_line(self._verify_a, self._verify_b, tokens)
@@ -400,15 +350,19 @@ class FittedLinearCostModel(CostModel):
             raise ValueError(f"mask has {mask.num_layers} layers, the cost model {self.num_layers}")
         executed = mask.executed
         total, floor = max(self.overhead_s, 0.0), self.item_floor
+        windows = self._layer_windows
         for layer, (intercept, slope, mlp) in enumerate(self._items):
             if executed[2 * layer]:
-                total += max(intercept + slope * context_length, floor)
+                window = windows[layer]
+                context = context_length if window is None else min(context_length, window)
+                total += max(intercept + slope * context, floor)
             if executed[2 * layer + 1]:
                 total += max(mlp, floor)
         return total
 
     def coefficients(self) -> LinearCoefficients:
-        """The layer-averaged coefficients (what the online model adapts)."""
+        """The layer-averaged coefficients (what the online model adapts; with windows the
+        slopes are per token of effective context)."""
         return LinearCoefficients(
             overhead=self.overhead_s,
             attn_intercept=self._mean_attn_intercept,
@@ -433,6 +387,7 @@ __all__ = [
     "FittedLinearCostModelConfig",
     "LinearCoefficients",
     "fit_verify_law",
+    "fit_windowed_attention",
     "verify_features",
     "verify_line",
 ]

@@ -6,7 +6,9 @@ that is linear in the same features:
 
 * draft step with mask ``S`` at context ``n``:
   ``Δt = Δo + Δa·n_attn(S) + Δb·n_attn(S)·n + Δc·n_mlp(S)``, i.e. a shift of the
-  overhead, of every attention item's intercept and slope, and of every MLP item;
+  overhead, of every attention item's intercept and slope, and of every MLP item (with
+  sliding-window layers ``n_attn(S)·n`` is ``Σ min(n, W_i)`` over the executed attention
+  items, and ``n`` below is the prior's mean effective context: the prior's own features);
 * verify step over ``k`` tokens: ``Δt = ΔA_k + ΔB_k·n``, one line per width ``k`` like the
   prior's (the cost is a staircase in ``k``, see :mod:`knapspec.costmodels.linear`). In
   one regression this is the one-hot design ``[e_k, e_k·n]``; since an observation of
@@ -50,6 +52,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from knapspec.costmodels.base import COST_MODELS, CostModel, LatencyObservation
 from knapspec.costmodels.linear import MIN_SECONDS, FittedLinearCostModel, LinearCoefficients
+from knapspec.costmodels.local_layers import executed_attention_context
 from knapspec.costmodels.rls import FORGETTING_FACTOR, RecursiveLeastSquares
 from knapspec.costmodels.store import load_or_measure_profile
 from knapspec.types import SublayerMask
@@ -239,15 +242,19 @@ class OnlineCalibratedCostModel(CostModel):
 
     # ----------------------------------------------------------------- features
     def _draft_features(self, mask: SublayerMask, context_length: int) -> NDArray[np.float64]:
-        layers = self.prior.num_layers
+        layers, windows = self.prior.num_layers, self.prior.windows
         attention = mask.num_attention_executed / layers
-        scaled = context_length / CONTEXT_SCALE
-        return np.array([1.0, attention, attention * scaled, mask.num_mlp_executed / layers])
+        if windows:  # each executed attention item pays for its own effective context
+            paid = executed_attention_context(mask.executed, context_length, windows)
+            attended = paid / (CONTEXT_SCALE * layers)
+        else:
+            attended = attention * (context_length / CONTEXT_SCALE)
+        return np.array([1.0, attention, attended, mask.num_mlp_executed / layers])
 
-    @staticmethod
-    def _verify_features(context_length: int) -> NDArray[np.float64]:
-        """``(2,)`` features of one width's block: ``[1, n / CONTEXT_SCALE]``."""
-        return np.array([1.0, context_length / CONTEXT_SCALE])
+    def _verify_features(self, context_length: int) -> NDArray[np.float64]:
+        """``(2,)`` features of one width's block: ``[1, n / CONTEXT_SCALE]`` (``n``: the
+        prior's mean effective context, the context itself without windows)."""
+        return np.array([1.0, self.prior.mean_attention_context(context_length) / CONTEXT_SCALE])
 
     def _verify_block(self, tokens: int) -> RecursiveLeastSquares:
         """Width ``tokens``' regression, created (zero correction, ``P0``) on first use."""
@@ -269,9 +276,14 @@ class OnlineCalibratedCostModel(CostModel):
     # ------------------------------------------------------------- predictions
     def t_attn(self, context_length: int, layer: int | None = None) -> float:
         theta = self._state()[0].coef_
-        per_item = theta[1] + theta[2] * context_length / CONTEXT_SCALE
+        prior = self.prior
+        if layer is None:
+            context = prior.mean_attention_context(context_length)
+        else:
+            context = prior.attention_context(context_length, layer)
+        per_item = theta[1] + theta[2] * context / CONTEXT_SCALE
         shift = per_item * self.time_unit_ / self.prior.num_layers
-        return max(self.prior.t_attn(context_length, layer) + float(shift), MIN_SECONDS)
+        return max(prior.t_attn(context_length, layer) + float(shift), MIN_SECONDS)
 
     def t_mlp(self, layer: int | None = None) -> float:
         theta = self._state()[0].coef_

@@ -25,6 +25,12 @@ import attrs
 import torch
 import transformers
 
+from knapspec.costmodels.local_layers import (
+    Windows,
+    check_windows,
+    engine_windows,
+    normalized_windows,
+)
 from knapspec.model.cachefiles import replace_atomically
 from knapspec.model.machine import host_cpu_model
 
@@ -221,6 +227,10 @@ class LatencyProfile:
         repeats, warmup: measurement settings; quick: a few-seconds profile.
         created: ISO-8601 time of measurement; wall_seconds: how long profiling took.
         schema_version: JSON layout version (:data:`SCHEMA_VERSION`).
+        windows: ``(L,)`` the sliding window (tokens) each layer attended with when
+            measured, None for a global layer; ``()`` when no layer has one (and in
+            profiles written before the field existed). A local layer's attention was
+            timed over its window only (:mod:`~knapspec.costmodels.local_layers`).
     """
 
     key: ProfileKey
@@ -241,6 +251,7 @@ class LatencyProfile:
     created: str = ""
     wall_seconds: float = 0.0
     schema_version: int = SCHEMA_VERSION
+    windows: Windows = attrs.field(default=(), converter=normalized_windows)
 
     def __attrs_post_init__(self) -> None:
         if self.schema_version != SCHEMA_VERSION:
@@ -275,6 +286,9 @@ class LatencyProfile:
             )
         if not self.verify:
             raise ProfileError("profile holds no verification timings")
+        problem = check_windows(self.windows, layers)
+        if problem is not None:
+            raise ProfileError(problem)
 
     @property
     def num_layers(self) -> int:
@@ -286,7 +300,9 @@ class LatencyProfile:
 
         ``force`` waives the machine and library fields (and the weights' hash: a
         fine-tune of the same shape times the same), never the model's shape: timings of
-        another layer count or width cannot be indexed by this model's layers.
+        another layer count or width cannot be indexed by this model's layers. Nor the
+        sliding windows: a local layer timed over another window (or as a global one)
+        would be priced against the wrong context.
 
         Raises:
             ProfileMismatchError: names the differing fields and how to re-profile or force.
@@ -298,6 +314,13 @@ class LatencyProfile:
                 f"{self.num_layers} layers, {model_shape(self.key.model_fingerprint)!r}; this "
                 f"model: {engine.num_layers} layers, {shape!r}). force cannot waive the model's "
                 "shape: re-profile with `knapspec profile`."
+            )
+        windows = engine_windows(engine)
+        if self.windows != windows:
+            raise ProfileMismatchError(
+                f"latency profile was measured with other sliding windows (the profile: "
+                f"{list(self.windows) or 'none'}; this model: {list(windows) or 'none'}). "
+                "force cannot waive them: re-profile with `knapspec profile`."
             )
         if force:
             return
@@ -318,8 +341,11 @@ class LatencyProfile:
 
     # ------------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (the on-disk layout)."""
+        """A JSON-ready dict (the on-disk layout; ``windows`` only when some layer has one,
+        so a windowless model's file reads as it did before the field existed)."""
         data: dict[str, Any] = _lists(attrs.asdict(self, recurse=True))
+        if not self.windows:
+            del data["windows"]
         return data
 
     @classmethod

@@ -7,7 +7,8 @@ What is timed, and why that way:
   a *sweep* that runs all ``2L`` items in model order, one timer per item, because that is
   how a draft step runs them: timing one item in a tight loop would keep its weights in
   the CPU caches and under-estimate the cost of a step that streams every layer's weights.
-  The attention item is the engine's own decode path (cache write + grouped-query SDPA).
+  The attention item is the engine's own decode path (cache write + grouped-query SDPA);
+  a local layer's attends its sliding window only, and the profile records the windows.
 * **Overhead** — :meth:`SublayerEngine.forward` with every item skipped plus the argmax:
   embedding, rotary tables, final norm and the LM head over one token.
 * **Verification** — :meth:`SublayerEngine.forward` with all items over ``k = 1..D+1``
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
+from knapspec.costmodels.local_layers import engine_windows
 from knapspec.costmodels.profile import LatencyProfile, ProfileKey, VerifyTiming
 from knapspec.types import SublayerMask
 
@@ -306,6 +308,7 @@ def profile_engine(
         quick=quick,
         created=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         wall_seconds=time.perf_counter() - began,
+        windows=engine_windows(engine),
     )
 
 

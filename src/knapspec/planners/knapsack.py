@@ -3,8 +3,10 @@
 One plan (method spec §5-6):
 
 1. integer item weights from the cost model at the current context length ``n``
-   (``w_attn``, ``w_mlp``; whole layers weigh their sum when attention and MLP are tied),
-   divided by their common divisor (the same problem with fewer budgets);
+   (``w_attn``, ``w_mlp``; a sliding-window layer's attention its own, lighter past the
+   window: :meth:`~knapspec.costmodels.base.CostModel.item_weights`; whole layers weigh
+   their sum when attention and MLP are tied), divided by their common divisor (the same
+   problem with fewer budgets);
 2. a **provable shortcut**: with the draft cost as low as any budget allows and perfect
    acceptance (α = 1), can speculation beat a plain step at all? If not, return γ = 0
    without running the model (one additive knapsack over item times, microseconds);
@@ -76,7 +78,8 @@ class KnapsackSearch:
     Attributes:
         plan: the plan returned.
         context_length: ``n`` at planning time.
-        weights: ``(w_attn, w_mlp)`` from the cost model (``(1, 1)`` under TPL).
+        weights: ``(w_attn, w_mlp)`` from the cost model (``(1, 1)`` under TPL), from the
+            layer-mean times (with sliding-window layers ``dp_weights`` tells them apart).
         dp_weights: the DP item weights actually used (after tying and the common divisor).
         max_budget: the skipped-weight bound.
         shortcut: True when the α = 1 bound proved γ = 0 optimal and no DP ran.
@@ -410,10 +413,15 @@ class KnapsackPlanner(Planner):
             max_draft = min(max_draft, config.max_draft_length)
         prices_time = config.objective == "tpt" and cost_model is not None
         weights = cost_model.weights(n) if (cost_model is not None and prices_time) else (1, 1)
+        item_weights = (
+            cost_model.item_weights(n, engine.windows)
+            if (cost_model is not None and prices_time)
+            else (1, 1) * engine.num_layers
+        )
         groups = (
             single_items(engine.num_items) if config.decoupled else layer_groups(engine.num_layers)
         )
-        dp_weights = _reduced_weights(groups, weights)
+        dp_weights = _reduced_weights(groups, item_weights)
         max_budget = half_budget(dp_weights, config.budget_fraction)
         if config.max_budget is not None:
             max_budget = min(max_budget, config.max_budget)
@@ -619,15 +627,15 @@ class KnapsackPlanner(Planner):
 
 # ---------------------------------------------------------------------------- helpers
 def _reduced_weights(
-    groups: tuple[tuple[int, ...], ...], weights: tuple[int, int]
+    groups: tuple[tuple[int, ...], ...], item_weights: tuple[int, ...]
 ) -> tuple[int, ...]:
-    """Per DP item, the summed weights of its engine items, divided by their common divisor.
+    """Per DP item, the summed weights of its engine items (``item_weights``, one per
+    engine item), divided by their common divisor.
 
     Dividing by the gcd leaves the set of feasible skip sets per budget unchanged and
     shrinks the number of budgets (e.g. tied layers of weight 4 become weight 1).
     """
-    w_attn, w_mlp = weights
-    raw = [sum(w_attn if item % 2 == 0 else w_mlp for item in group) for group in groups]
+    raw = [sum(item_weights[item] for item in group) for group in groups]
     divisor = math.gcd(*raw) or 1
     return tuple(w // divisor for w in raw)
 

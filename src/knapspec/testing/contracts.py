@@ -62,7 +62,8 @@ def check_cost_model(
     * attention and verification do not get cheaper as the context grows;
     * ``draft_cost`` never falls when a mask executes one more item, and equals the
       overhead plus the executed items' times;
-    * ``step_cost(n) == verify_cost(1, n)``; ``weights(n)`` are two integers >= 1;
+    * ``step_cost(n) == verify_cost(1, n)``; ``weights(n)`` are two integers >= 1, and
+      ``item_weights(n, windows)`` one integer >= 1 per item, with windows or without;
     * ``observe`` accepts draft and verify observations, and predictions stay valid.
 
     Raises:
@@ -100,6 +101,12 @@ def check_cost_model(
         assert len(weights) == 2 and all(isinstance(w, int) and w >= 1 for w in weights), (
             f"weights({n}) = {weights}: want two integers >= 1"
         )
+        local = [None if layer % 2 else max(1, n // 2) for layer in range(layers)]
+        for windows in ([None] * layers, local):
+            item_weights = cost_model.item_weights(n, windows)
+            assert len(item_weights) == 2 * layers and all(
+                isinstance(w, int) and w >= 1 for w in item_weights
+            ), f"item_weights({n}, {windows}) = {item_weights}: want 2L integers >= 1"
     # The online hook: a plausible stream of measurements must leave valid predictions.
     for n in contexts:
         mask = SublayerMask.full(layers)

@@ -115,15 +115,28 @@ def synthetic_profile(engine: SublayerEngine) -> LatencyProfile:
     """A profile of ``engine`` on this machine from a CPU-shaped law, timing nothing.
 
     Save it and point ``$KNAPSPEC_PROFILE`` (or a config's ``profile``) at the file to build
-    profile-based cost models in tests without profiling.
+    profile-based cost models in tests without profiling. A sliding-window layer's attention
+    is flat past its window, as the engine's is (the profile records the windows).
     """
+    from knapspec.costmodels.local_layers import (
+        effective_context,
+        engine_windows,
+        mean_effective_context,
+    )
     from knapspec.costmodels.profile import LatencyProfile, ProfileKey, VerifyTiming
 
     contexts = (64, 512, 2048)
     layers = engine.num_layers
-    attention = [[4.0e-4 + 2.5e-7 * n for n in contexts] for _ in range(layers)]
+    windows = engine_windows(engine)
+    attention = [
+        [4.0e-4 + 2.5e-7 * effective_context(n, window) for n in contexts]
+        for window in (windows or (None,) * layers)
+    ]
     mlp = [[4.8e-4] * len(contexts) for _ in range(layers)]
-    step = [6.0e-3 + layers * (4.0e-4 + 2.5e-7 * n + 4.8e-4) for n in contexts]
+    step = [
+        6.0e-3 + layers * (4.0e-4 + 2.5e-7 * mean_effective_context(n, windows) + 4.8e-4)
+        for n in contexts
+    ]
     verify = [
         VerifyTiming(k, n, s * (1.0 + 0.1 * (k - 1)))
         for n, s in zip(contexts, step, strict=True)
@@ -136,6 +149,7 @@ def synthetic_profile(engine: SublayerEngine) -> LatencyProfile:
         mlp_seconds=mlp,
         overhead_seconds=[6.0e-3] * len(contexts),
         verify=verify,
+        windows=windows,
     )
 
 
