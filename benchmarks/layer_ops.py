@@ -2,12 +2,12 @@
 
 ``--compare layer-ops`` (the default): an exact CPU engine runs each layer's RMSNorms and
 rotary as one compiled call each and writes a batch's K/V with one compiled copy per
-buffer (:mod:`knapspec.model.layer_ops`); off, the model's modules and PyTorch's indexed
+buffer (:mod:`knapspec.model.kernels.layer_ops`); off, the model's modules and PyTorch's indexed
 writes (``compiled_layer_ops=False``). ``--compare lean-pass``: exact batched passes run
-their layer items through :class:`~knapspec.model.exact_pass.ExactLayerPass` (the same
+their layer items through :class:`~knapspec.model.passes.exact_pass.ExactLayerPass` (the same
 kernels, per-pass work done once); off, the engine's general layer methods
 (``engine.lean_passes = False``). ``--compare layer-loop``: a lean pass that runs every
-sublayer runs its layer loop as one compiled call (:mod:`knapspec.model.layer_loop`); off,
+sublayer runs its layer loop as one compiled call (:mod:`knapspec.model.kernels.layer_loop`); off,
 its items one by one from Python (``engine.compiled_loop = False``). This times plain
 batched rounds (the autoregressive planner: every row one token a round) of Spec-Bench
 first turns on the real SmolLM2, both settings on one engine, interleaved in blocks (on,
@@ -51,8 +51,8 @@ from knapspec.bench.timing import (
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.model.cache import KVCache
 from knapspec.model.engine import SublayerEngine
+from knapspec.model.loading.provision import load_model_and_tokenizer
 from knapspec.model.machine import host_cpu_model
-from knapspec.model.provision import load_model_and_tokenizer
 from knapspec.planners import AutoregressivePlanner
 from knapspec.types import SublayerMask
 

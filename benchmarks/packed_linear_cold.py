@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from knapspec.model.compiled import BASE_FLAGS, compiler
-from knapspec.model.row_linear import amx_pack
+from knapspec.model.kernels.compiled import BASE_FLAGS, compiler
+from knapspec.model.kernels.row_linear import amx_pack
 
-CSRC = Path(__file__).resolve().parents[1] / "src" / "knapspec" / "model" / "csrc"
+CSRC = Path(__file__).resolve().parents[1] / "src" / "knapspec" / "model" / "kernels" / "csrc"
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gateup": (3072, 576), "down": (576, 1536)}
 HEAD = (49152, 576)
 

@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import torch
 
-from knapspec.model.batched import forward_batch, new_batch_cache
 from knapspec.model.cache import KVCache
 from knapspec.model.engine import ForwardOutput, SublayerEngine
+from knapspec.model.passes.batched import forward_batch, new_batch_cache
 from knapspec.types import SublayerMask
 
 VOCAB = 97

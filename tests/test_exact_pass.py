@@ -1,4 +1,4 @@
-"""The lean exact pass (:mod:`knapspec.model.exact_pass`) against the general layer loop.
+"""The lean exact pass (:mod:`knapspec.model.passes.exact_pass`) against the general layer loop.
 
 The lean pass only reorganises the Python around the kernels (per-pass work done once),
 so every logit and every K/V entry must be bitwise what the general path writes, on every
@@ -19,11 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from knapspec import testing
-from knapspec.model import exact_pass
 from knapspec.model.batch_cache import BatchKVCache
-from knapspec.model.batched import forward_batch, new_batch_cache
 from knapspec.model.engine import SublayerEngine
-from knapspec.model.kernels import FUSION_GROUPS
+from knapspec.model.kernels.table import FUSION_GROUPS
+from knapspec.model.passes import exact_pass
+from knapspec.model.passes.batched import forward_batch, new_batch_cache
 from knapspec.types import SublayerMask
 from pass_pairs import (
     VOCAB,

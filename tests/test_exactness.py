@@ -15,10 +15,10 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from knapspec.model.engine import SublayerEngine
-from knapspec.model.exact_pass import ExactLayerPass
-from knapspec.model.invariance import is_row_invariant, row_invariant_table
-from knapspec.model.kernels import KERNELS, Kernel, KernelTable, blocked
-from knapspec.model.row_attention import attend_rows, kernel_available
+from knapspec.model.kernels.row_attention import attend_rows, kernel_available
+from knapspec.model.kernels.table import KERNELS, Kernel, KernelTable, blocked
+from knapspec.model.passes.exact_pass import ExactLayerPass
+from knapspec.model.tuning.invariance import is_row_invariant, row_invariant_table
 from knapspec.testing.exactness import (
     RowCountingKernel,
     batch_mismatches,
@@ -299,7 +299,7 @@ def test_the_invariance_report_says_what_runs() -> None:
 def test_the_fallback_attention_is_exact_too(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a compiler the engine attends one query at a time, which is a one-token
     step per row: still exact."""
-    from knapspec.model import row_attention
+    from knapspec.model.kernels import row_attention
 
     monkeypatch.setattr(row_attention, "load_library", lambda: None)
     generator = torch.Generator().manual_seed(0)
@@ -350,8 +350,8 @@ def test_the_attention_kernel_is_row_invariant_and_correct(
 def test_probe_verdicts_are_cached_and_a_bad_cache_file_is_probed_again(
     tmp_path: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from knapspec.model import invariance
     from knapspec.model.cachefiles import CacheWarning
+    from knapspec.model.tuning import invariance
 
     monkeypatch.setenv("KNAPSPEC_CACHE", str(tmp_path))
     engine = _engine("llama", torch.float32)

@@ -12,14 +12,14 @@ from hypothesis import strategies as st
 from tests.tiny_models import tiny_model
 
 from knapspec.model.engine import SublayerEngine
-from knapspec.model.kernels import Kernel, linear, padded_rows
-from knapspec.model.onednn import (
+from knapspec.model.kernels.onednn import (
     onednn_available,
     onednn_packed,
     packed_count,
     packing_fits,
     release_packed,
 )
+from knapspec.model.kernels.table import Kernel, linear, padded_rows
 from knapspec.testing import examples
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="no oneDNN in this build")

@@ -1,4 +1,4 @@
-"""The compiled layer loop (:mod:`knapspec.model.layer_loop`) against the lean items it
+"""The compiled layer loop (:mod:`knapspec.model.kernels.layer_loop`) against the lean items it
 replaces.
 
 The loop calls the same kernels with the same arguments as the lean pass's items and does
@@ -24,9 +24,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from knapspec import testing
-from knapspec.model import layer_loop, row_linear
 from knapspec.model.engine import SublayerEngine
-from knapspec.model.kernels import (
+from knapspec.model.kernels import layer_loop, row_linear
+from knapspec.model.kernels.table import (
     AMX_KERNEL,
     FUSION_GROUPS,
     PACKED_KERNEL,

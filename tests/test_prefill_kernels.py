@@ -1,5 +1,5 @@
 """A cold prefill's many-row kernels: the faster of the measured and the row-invariant ones,
-timed per prompt length (:mod:`knapspec.model.prefill_kernels`)."""
+timed per prompt length (:mod:`knapspec.model.tuning.prefill`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from knapspec.model.cachefiles import CacheWarning
 from knapspec.model.engine import SublayerEngine
-from knapspec.model.kernels import KERNELS, PLAIN_KERNEL, Kernel, KernelTable, Shape
-from knapspec.model.prefill_kernels import (
+from knapspec.model.kernels.table import KERNELS, PLAIN_KERNEL, Kernel, KernelTable, Shape
+from knapspec.model.tuning.prefill import (
     CANDIDATES,
     RowSwitch,
     describe,

@@ -13,11 +13,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from knapspec.model import row_attention
 from knapspec.model.cache import KVCache
 from knapspec.model.engine import SublayerEngine
-from knapspec.model.row_attention import attend_rows, attend_tree_rows
-from knapspec.model.tree import tree_layout
+from knapspec.model.kernels import row_attention
+from knapspec.model.kernels.row_attention import attend_rows, attend_tree_rows
+from knapspec.model.passes.tree import tree_layout
 from knapspec.testing.exactness import tree_mismatches
 from knapspec.testing.models import tiny_model
 

@@ -126,7 +126,7 @@ def _sweep(
     """
     positions = torch.tensor([context], device=engine.device)
     # Each item alone through the engine's decode path. A draft step runs its items in the
-    # compiled layer loop (model/layer_loop.py), without the per-item Python timed here
+    # compiled layer loop (model/kernels/layer_loop.py), without the per-item Python timed here
     # (~0.05 ms an item on a 2-core Zen 4), so these prices err on the dear side.
     rotary = engine.rotary(positions, hidden)
     attention: list[float] = []

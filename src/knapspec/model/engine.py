@@ -7,9 +7,9 @@ LM head) and owns only the attention arithmetic and the KV cache, so that it can
   attention items that run;
 * keep a preallocated, position-indexed cache (cropping is a pointer move);
 * run the few-row products of decoding and verification through the kernels this
-  machine runs fastest (a :class:`~knapspec.model.kernels.KernelTable`, measured once per
-  machine by :mod:`knapspec.model.autotune`), fusing each layer's query/key/value and
-  gate/up projections into one product where that pays (:mod:`knapspec.model.fusion`);
+  machine runs fastest (a :class:`~knapspec.model.kernels.table.KernelTable`, measured once per
+  machine by :mod:`knapspec.model.tuning.autotune`), fusing each layer's query/key/value and
+  gate/up projections into one product where that pays (:mod:`knapspec.model.kernels.fusion`);
 * attend with grouped-query heads packed onto their K/V head, never materialising the
   repeated K/V that ``repeat_kv`` builds for multi-token queries;
 * run one item functionally over many DP branches against a read-only cache prefix.
@@ -19,7 +19,7 @@ norm, MLP) with full causal attention — Llama, Mistral, Qwen2, Qwen3 — and G
 (``gemma3_text``): a norm before and after each sublayer (the one after applied to the
 sublayer's output before the residual add), q/k norms, a GELU-tanh MLP, rotary tables per
 layer type, and sliding-window layers beside global ones
-(:mod:`knapspec.model.sliding_window`). Gemma's norms and MLP run as the model's own
+(:mod:`knapspec.model.passes.sliding_window`). Gemma's norms and MLP run as the model's own
 modules; its layers take the general item path (the lean pass and the compiled layer loop
 serve the Llama layout only and decline them).
 
@@ -43,30 +43,36 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from knapspec.model.autotune import KERNELS_ENV, framework_only, resolve_kernel_table
 from knapspec.model.cache import KVCache
-from knapspec.model.exact_pass import ExactLayerPass
-from knapspec.model.fusion import FusedProjection, fuse_linears
-from knapspec.model.invariance import InvarianceReport, row_invariant_table
-from knapspec.model.kernel_timing import linear_roles
-from knapspec.model.kernels import (
+from knapspec.model.kernels.fusion import FusedProjection, fuse_linears
+from knapspec.model.kernels.layer_ops import (
+    RotaryFn,
+    apply_norm,
+    rotary_,
+    serves_norms,
+    serves_rotary,
+)
+from knapspec.model.kernels.onednn import prepack
+from knapspec.model.kernels.row_attention import (
+    EXACT_MAX_QUERIES,
+    attend_tree_rows,
+    attention_path,
+    kernel_available,
+)
+from knapspec.model.kernels.table import (
     KERNELS,
     ONEDNN_KERNEL,
     PLAIN_KERNEL,
     Kernel,
     KernelTable,
 )
-from knapspec.model.layer_ops import RotaryFn, apply_norm, rotary_, serves_norms, serves_rotary
-from knapspec.model.onednn import prepack
-from knapspec.model.prefill_kernels import prefill_dispatch
-from knapspec.model.row_attention import (
-    EXACT_MAX_QUERIES,
-    attend_tree_rows,
-    attention_path,
-    kernel_available,
-)
-from knapspec.model.sliding_window import attend_rows_windowed, layer_windows, window_visible
-from knapspec.model.tree import TreeLayout, tree_layout
+from knapspec.model.passes.exact_pass import ExactLayerPass
+from knapspec.model.passes.sliding_window import attend_rows_windowed, layer_windows, window_visible
+from knapspec.model.passes.tree import TreeLayout, tree_layout
+from knapspec.model.tuning.autotune import KERNELS_ENV, framework_only, resolve_kernel_table
+from knapspec.model.tuning.invariance import InvarianceReport, row_invariant_table
+from knapspec.model.tuning.prefill import prefill_dispatch
+from knapspec.model.tuning.timing import linear_roles
 from knapspec.types import SublayerMask
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
@@ -216,25 +222,25 @@ class SublayerEngine:
             shape those over 16 rows: prefill, batched verification): ``"auto"`` measures
             the candidates (``F.linear``, the transposed products, oneDNN's packed product
             where the build has it and its weight copies fit in a quarter of the memory)
-            on this machine once and caches the table (:mod:`knapspec.model.autotune`;
+            on this machine once and caches the table (:mod:`knapspec.model.tuning.autotune`;
             about 20 s for SmolLM2-135M on a 2-core CPU the first time, a file read
             afterwards); ``"f.linear"`` runs every projection
             as the model's own module; ``"transposed"`` is engine revision r3's fixed
-            choice; or a :class:`~knapspec.model.kernels.KernelTable`. None reads
+            choice; or a :class:`~knapspec.model.kernels.table.KernelTable`. None reads
             ``$KNAPSPEC_KERNELS``, else ``"auto"``. A model on a non-CPU device or in a
             dtype other than float32 always runs the framework's own products.
         small_row_linear: False is ``kernels="f.linear"`` (kept for older code).
         fuse_projections: allow running each layer's query/key/value and gate/up
             projections as one product where the table says it pays
-            (:mod:`knapspec.model.fusion`: the layers' weights become row blocks of one
+            (:mod:`knapspec.model.kernels.fusion`: the layers' weights become row blocks of one
             tensor, same values, same memory).
         progress: a progress bar while a table is measured (None: on a terminal only).
         exact: keep the exactness contract (``docs/theory.md``): the logits and K/V that
             a ``k``-token verification computes for each position are bitwise those of a
             one-token step there, in every dtype. Attention over cached keys runs through
-            the row-invariant kernel (:mod:`knapspec.model.row_attention`) and only
+            the row-invariant kernel (:mod:`knapspec.model.kernels.row_attention`) and only
             kernels that pass the row-invariance probe run the products
-            (:mod:`knapspec.model.invariance`). False runs the fastest kernels measured,
+            (:mod:`knapspec.model.tuning.invariance`). False runs the fastest kernels measured,
             which round differently for different row counts (greedy output may then
             leave plain decoding's at a near-tie, often within tens of tokens in bf16).
         invariant_prefill: whether prefills attend through the row-invariant kernel too
@@ -250,7 +256,7 @@ class SublayerEngine:
             conversation's turns may differ from cold calls at a near-tie). See
             :attr:`chunk_invariant`.
         compiled_layer_ops: with ``exact`` on a CPU, run each layer's RMSNorms and
-            rotary as one compiled call each (:mod:`knapspec.model.layer_ops`; rotary
+            rotary as one compiled call each (:mod:`knapspec.model.kernels.layer_ops`; rotary
             bitwise the model's, the norm within an ulp, row-invariant both) where they
             build and compute the model's own, and write a batch's K/V through one compiled
             copy per buffer (bitwise); False keeps the model's modules and PyTorch's
@@ -363,18 +369,18 @@ class SublayerEngine:
         if invariant_prefill:
             self.enable_chunk_invariance()
         # An exact CPU engine runs its layer norms and rotary as one compiled call each
-        # (:mod:`knapspec.model.layer_ops`) on every path, where they compute the model's
+        # (:mod:`knapspec.model.kernels.layer_ops`) on every path, where they compute the model's
         # own (a norm within an ulp, rotary bitwise): ~16 small PyTorch operations a layer
         # fewer. Decided before anything runs a forward (the kernel probe below does).
         #: Whether batch caches write K/V through one compiled copy (bitwise; any engine).
         self.compiled_writes: bool = compiled_layer_ops and self.device.type == "cpu"
         #: Whether exact batched passes, decode steps, verifications and token trees run
-        #: their layer items through :class:`~knapspec.model.exact_pass.ExactLayerPass`
+        #: their layer items through :class:`~knapspec.model.passes.exact_pass.ExactLayerPass`
         #: (bitwise the general path, its per-pass work done once; False runs the general
         #: path, for A/B runs).
         self.lean_passes: bool = True
         #: Whether a lean pass that runs every sublayer runs its whole layer loop as one
-        #: compiled call (:mod:`knapspec.model.layer_loop`; bitwise the same; False runs
+        #: compiled call (:mod:`knapspec.model.kernels.layer_loop`; bitwise the same; False runs
         #: its items one by one, for A/B runs).
         self.compiled_loop: bool = True
         # Gemma's norms scale by 1 + w: its modules run (and serves_norms says no too).
@@ -407,7 +413,7 @@ class SublayerEngine:
             # A cold prefill (a prompt from position 0 while chunk invariance is off) runs
             # its many-row products through whichever of the measured and the
             # row-invariant kernels is faster here, timed per shape and prompt length
-            # (:mod:`knapspec.model.prefill_kernels`): no verification and no one-token
+            # (:mod:`knapspec.model.tuning.prefill`): no verification and no one-token
             # step has that shape (they start past the prompt), plain and speculative
             # decoding share the prefill, and with chunk invariance on (prefix cache,
             # conversations) every prefill keeps the row-invariant kernels.
@@ -417,7 +423,7 @@ class SublayerEngine:
 
     def _time_cold_prefill(self, dispatch: Mapping[tuple[int, ...], Kernel], length: int) -> float:
         """Seconds of one cold prefill of ``length`` tokens (a fixed pseudo-random prompt)
-        with ``dispatch`` as its many-row kernels (:mod:`knapspec.model.prefill_kernels`)."""
+        with ``dispatch`` as its many-row kernels (:mod:`knapspec.model.tuning.prefill`)."""
         generator = torch.Generator().manual_seed(length)
         tokens = torch.randint(0, self.vocab_size, (length,), generator=generator)
         kept = self._prefill_large
@@ -439,7 +445,7 @@ class SublayerEngine:
     def exact_attention_path(self) -> str | None:
         """What this exact engine's attention runs on here: ``amx-tiles``, ``avx512-bf16``,
         ``vector`` or ``one-query-calls``
-        (:func:`~knapspec.model.row_attention.attention_path`); None for an inexact engine
+        (:func:`~knapspec.model.kernels.row_attention.attention_path`); None for an inexact engine
         or one off the CPU."""
         if not self.exact or self.device.type != "cpu":
             return None
@@ -542,7 +548,7 @@ class SublayerEngine:
 
     def _prepack(self, table: KernelTable) -> None:
         """Reorder now every weight ``table`` runs through oneDNN (see
-        :func:`knapspec.model.onednn.prepack`)."""
+        :func:`knapspec.model.kernels.onednn.prepack`)."""
 
         def packed(name: str) -> bool:  # oneDNN as it is or in blocks ("onednn/32")
             return name.partition("/")[0] == ONEDNN_KERNEL
@@ -629,7 +635,7 @@ class SublayerEngine:
     ) -> tuple[torch.Tensor, ...]:
         """The parts' outputs for ``x (..., d)``: one product where the table fuses this
         many rows (``fuse_large``: also over ``max_rows``) and the fusion is current; else
-        one product per part (a prefill, see :mod:`knapspec.model.fusion`, or weights
+        one product per part (a prefill, see :mod:`knapspec.model.kernels.fusion`, or weights
         replaced since the engine was built)."""
         product = self._fused_product(fused, fuse_rows, x, fuse_large)
         if product is not None:
@@ -1012,7 +1018,7 @@ class SublayerEngine:
         self, layer_index: int, hidden: torch.Tensor, lean: ExactLayerPass | None = None
     ) -> torch.Tensor:
         """The residual stream ``(b, q, d)`` after layer ``layer_index``'s MLP sublayer
-        (through ``lean``, a pass's :class:`~knapspec.model.exact_pass.ExactLayerPass`,
+        (through ``lean``, a pass's :class:`~knapspec.model.passes.exact_pass.ExactLayerPass`,
         where it serves this layer: bitwise the same)."""
         if lean is not None:
             stepped = lean.mlp_item(layer_index, hidden)
@@ -1134,7 +1140,7 @@ class SublayerEngine:
         cache: KVCache,
         tree: TreeLayout | None = None,
     ) -> ExactLayerPass | None:
-        """The lean pass (:mod:`knapspec.model.exact_pass`) of a decode step, a verification
+        """The lean pass (:mod:`knapspec.model.passes.exact_pass`) of a decode step, a verification
         of ``q_len <= EXACT_MAX_QUERIES`` tokens or a token tree at ``start`` (where
         :meth:`_attention_item` attends through the row-invariant kernel); None for a
         prefill, an inexact engine, or where it does not serve."""
@@ -1168,7 +1174,7 @@ class SublayerEngine:
 
         Node ``i`` sits at position ``start + depth(i)``; its K/V are written at slot
         ``start + i`` of every layer, and it attends to positions ``0 .. start - 1`` and to
-        its ancestors and itself (:mod:`knapspec.model.tree`). On an exact engine each
+        its ancestors and itself (:mod:`knapspec.model.passes.tree`). On an exact engine each
         node's logits and K/V are bitwise those of one-token steps along its root-to-node
         path (after :meth:`KVCache.compact` of that path, the cache is bitwise theirs too);
         a chain (``parents = [-1, 0, 1, ...]``) gives bitwise :meth:`forward`'s logits.
@@ -1188,7 +1194,7 @@ class SublayerEngine:
 
         Raises:
             ValueError: on malformed ``token_ids`` or ``parents`` (see
-                :func:`knapspec.model.tree.tree_layout`).
+                :func:`knapspec.model.passes.tree.tree_layout`).
         """
         if token_ids.dim() != 1 or token_ids.numel() == 0:
             raise ValueError(

@@ -1,6 +1,6 @@
 """An exact batched pass's layer items with their per-pass work done once.
 
-:func:`~knapspec.model.batched.forward_batch` on an exact CPU engine runs, per layer, the
+:func:`~knapspec.model.passes.batched.forward_batch` on an exact CPU engine runs, per layer, the
 same few compiled calls (RMSNorm, the fused q/k/v product, rotary, two K/V writes, the
 row-invariant attention, the output product, RMSNorm, the fused gate/up product, SiLU,
 the down product). Through the engine's general methods each item also recomputed what
@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import SiLUActivation
 
-from knapspec.model import layer_loop, layer_ops, row_attention
-from knapspec.model.fusion import FusedProjection
+from knapspec.model.kernels import layer_loop, layer_ops, row_attention
+from knapspec.model.kernels.fusion import FusedProjection
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -149,7 +149,7 @@ class ExactLayerPass:
                 None with ``tree``.
             packing: each packed token's row and step, or None (every row ``q`` tokens).
             tree: one sequence's token tree instead of ``lengths``: ``(prefix, visible)``
-                as :func:`~knapspec.model.row_attention.attend_tree_rows` takes them (node
+                as :func:`~knapspec.model.kernels.row_attention.attend_tree_rows` takes them (node
                 ``i`` written at the slot ``index`` gives it).
         """
         library = row_attention.load_library()
@@ -234,9 +234,9 @@ class ExactLayerPass:
     ) -> torch.Tensor | None:
         """The residual stream after every layer's attention and MLP items (those
         ``executed`` flags, attention then MLP per layer, where given), all in one compiled
-        call (:mod:`knapspec.model.layer_loop`, bitwise these items one by one), the executed
-        attention items' K/V written; or None, nothing written, where that call does not
-        serve this pass (the caller then runs the items)."""
+        call (:mod:`knapspec.model.kernels.layer_loop`, bitwise these items one by one), the
+        executed attention items' K/V written; or None, nothing written, where that call
+        does not serve this pass (the caller then runs the items)."""
         return layer_loop.run_layers(
             self.engine,
             self.cache.buffers,

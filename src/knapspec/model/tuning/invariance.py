@@ -14,9 +14,9 @@ weights, and only kernels that pass may run.
 contract:
 
 * per weight shape, one kernel for every row count, few and many (a batched verification
-  may pack more than :data:`~knapspec.model.kernels.SMALL_ROWS` rows): each candidate (the
+  may pack more than :data:`~knapspec.model.kernels.table.SMALL_ROWS` rows): each candidate (the
   table's own choices, oneDNN, ``F.linear``, the transposed ones) is probed as it is and,
-  where that fails, in blocks of 32, 16, .. 2 rows (:func:`~knapspec.model.kernels.blocked`:
+  where that fails, in blocks of 32, 16, .. 2 rows (:func:`~knapspec.model.kernels.table.blocked`:
   on an AMX Xeon bf16 ``F.linear`` keeps rows up to 32, so in blocks of 32 it keeps the
   contract on the AMX tiles); among those that pass, the fastest by a timing of decode,
   verification and prefill sizes (:data:`TIMED_ROWS`) runs. The clock ranks every
@@ -42,9 +42,15 @@ import attrs
 import torch
 
 from knapspec.model import cachefiles
-from knapspec.model.autotune import KernelKey
-from knapspec.model.kernel_timing import LinearRole, linear_roles
-from knapspec.model.kernels import (
+from knapspec.model.kernels.onednn import onednn_available, packing_fits, release_packed
+from knapspec.model.kernels.row_linear import (
+    amx_available,
+    build_tag,
+    packed_available,
+    release_amx_packed,
+)
+from knapspec.model.kernels.row_linear import available as row_linear_available
+from knapspec.model.kernels.table import (
     AMX_KERNEL,
     BLOCK_HEIGHTS,
     FUSION_GROUPS,
@@ -62,25 +68,19 @@ from knapspec.model.kernels import (
     parse_shape,
     shape_name,
 )
-from knapspec.model.onednn import onednn_available, packing_fits, release_packed
-from knapspec.model.probe import (  # the probe lived here; its names are re-exported
+from knapspec.model.tuning.autotune import KernelKey
+from knapspec.model.tuning.probe import (  # the probe lived here; its names are re-exported
     PROBE_REVISION,
     PROBE_ROWS,
     cancelling_inputs,
     first_violation,
     is_row_invariant,
 )
-from knapspec.model.row_linear import (
-    amx_available,
-    build_tag,
-    packed_available,
-    release_amx_packed,
-)
-from knapspec.model.row_linear import available as row_linear_available
+from knapspec.model.tuning.timing import LinearRole, linear_roles
 from knapspec.paths import cache_root
 
 if TYPE_CHECKING:
-    from knapspec.model.tunable import TunableEngine
+    from knapspec.model.tuning.tunable import TunableEngine
 
 logger = logging.getLogger(__name__)
 

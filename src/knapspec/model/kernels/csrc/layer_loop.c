@@ -1,7 +1,7 @@
-/* An exact pass's decoder layers in one call (knapspec.model.layer_loop).
+/* An exact pass's decoder layers in one call (knapspec.model.kernels.layer_loop).
  *
  * Per layer it calls the same compiled kernels, with the same arguments, that the Python
- * layer items of knapspec.model.exact_pass call one by one (RMSNorm, the fused q/k/v
+ * layer items of knapspec.model.passes.exact_pass call one by one (RMSNorm, the fused q/k/v
  * product, rotary, the two K/V writes, the row-invariant attention, the output product,
  * RMSNorm, the fused gate/up product, the down product), through function pointers to
  * their own libraries, and does the few elementwise steps between them as PyTorch does

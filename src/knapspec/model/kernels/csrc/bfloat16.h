@@ -2,7 +2,7 @@
  *
  * bf16 is the top half of a float32: widening is exact; narrowing rounds to nearest even
  * (as PyTorch rounds) and keeps a NaN a NaN (quiet). Each kernel's cache key hashes this
- * header with its source (knapspec.model.compiled), so editing it rebuilds them all.
+ * header with its source (knapspec.model.kernels.compiled), so editing it rebuilds them all.
  */
 #ifndef KNAPSPEC_BFLOAT16_H
 #define KNAPSPEC_BFLOAT16_H

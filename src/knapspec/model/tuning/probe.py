@@ -1,5 +1,5 @@
 """The row-invariance probe: does a linear kernel give every row of an ``m``-row product
-bitwise that row's one-row product? (:mod:`knapspec.model.invariance` builds the exact
+bitwise that row's one-row product? (:mod:`knapspec.model.tuning.invariance` builds the exact
 kernel tables from its verdicts; ``docs/theory.md`` explains the contract.)
 
 It probes a kernel twice: on a weight of the model's shape with :func:`cancelling_inputs`,
@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from knapspec.model.kernels import SMALL_ROWS, Kernel
+from knapspec.model.kernels.table import SMALL_ROWS, Kernel
 
 #: Row counts every candidate is probed at (against each row's one-row product): every
 #: few-row count of decoding, both sides of the block heights BLAS and oneDNN switch at (16,

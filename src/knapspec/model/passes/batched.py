@@ -45,9 +45,9 @@ import torch
 import torch.nn.functional as F
 
 from knapspec.model.batch_cache import BatchKVCache
-from knapspec.model.exact_pass import ExactLayerPass, query_lengths
-from knapspec.model.row_attention import EXACT_MAX_QUERIES, attend_rows_batched
-from knapspec.model.sliding_window import ragged_window_mask
+from knapspec.model.kernels.row_attention import EXACT_MAX_QUERIES, attend_rows_batched
+from knapspec.model.passes.exact_pass import ExactLayerPass, query_lengths
+from knapspec.model.passes.sliding_window import ragged_window_mask
 
 if TYPE_CHECKING:
     from knapspec.model.engine import SublayerEngine

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from knapspec.model.sources import (
+from knapspec.model.loading.sources import (
     KnownModel,
     ProvisioningError,
     assemble_checked,
@@ -144,4 +144,4 @@ GEMMA3_270M = KnownModel(
     notice=NOTICE,
     size="about 240 MB",
 )
-"""The registry entry :mod:`knapspec.model.provision` lists."""
+"""The registry entry :mod:`knapspec.model.loading.provision` lists."""

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from knapspec.model.row_attention import EXACT_MAX_QUERIES
+from knapspec.model.kernels.row_attention import EXACT_MAX_QUERIES
 
 
 @attrs.frozen

@@ -1,7 +1,7 @@
 """Small C kernels compiled on first use with the machine's C compiler, cached per user.
 
-The row-invariant kernels (:mod:`knapspec.model.row_attention`,
-:mod:`knapspec.model.row_linear`) are plain C (no torch headers: each compiles in about a
+The row-invariant kernels (:mod:`knapspec.model.kernels.row_attention`,
+:mod:`knapspec.model.kernels.row_linear`) are plain C (no torch headers: each compiles in about a
 second) built with ``-march=native`` for the CPU at hand, loaded with :mod:`ctypes` (which
 releases the GIL during a call). A library is cached under the knapspec cache, keyed by its
 source and the headers beside it, the compiler, the flags and the CPU's model name and

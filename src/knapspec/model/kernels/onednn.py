@@ -8,7 +8,7 @@ MKL) SmolLM2's ``49152 × 576`` LM head takes 11 ms for 1 row and 36 ms for 11, 
 inner-product primitive, with the weight reordered beforehand (what PyTorch's own
 ``torch.compile`` CPU backend does under ``freezing``), take 4.7 and 5.0 ms, and 0.08 and
 0.20 ms. Even a 2048-row prefill product is 10-18 % faster. Whether it wins on another CPU
-is for :mod:`knapspec.model.autotune` to measure; nothing here assumes it.
+is for :mod:`knapspec.model.tuning.autotune` to measure; nothing here assumes it.
 
 The reordered copy costs memory: as much again as the weights it serves (about 0.4 GB for
 SmolLM2-135M in float32, LM head included). It is made on the first product that needs it,

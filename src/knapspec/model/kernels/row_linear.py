@@ -2,7 +2,7 @@
 
 BLAS picks its blocking, and with it the summation order, from the row count, so a row of a
 verification product need not equal the same row's one-row product (the exactness
-contract, ``docs/theory.md``). The probe (:mod:`knapspec.model.invariance`) finds which of
+contract, ``docs/theory.md``). The probe (:mod:`knapspec.model.tuning.invariance`) finds which of
 the framework's kernels keep it on the machine at hand; on a 2-core Intel Xeon with AMX
 none did for float32's ``576x1536`` down projection, and bfloat16 ran the slow
 ``transposed-padded`` product. This kernel (``csrc/row_linear.c``) takes the choice away
@@ -37,7 +37,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from knapspec.model.compiled import CompiledLibrary
+from knapspec.model.kernels.compiled import CompiledLibrary
 from knapspec.model.machine import AMX_TILE_FLAGS, AVX512_BF16_FLAGS, claimed_absent
 
 logger = logging.getLogger(__name__)

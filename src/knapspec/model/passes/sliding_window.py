@@ -8,7 +8,7 @@ the first ``L = p + 1`` keys sees keys ``[max(0, L - W), L)``.
 The cache keeps the K/V of the whole sequence in every layer (so cropping, rollback and
 compaction stay what they are for global layers, and a layer's K/V slot is its position);
 a windowed row reads a slice of it. The row-invariant kernel
-(:mod:`knapspec.model.row_attention`) computes a row from its query, the keys it is given
+(:mod:`knapspec.model.kernels.row_attention`) computes a row from its query, the keys it is given
 and their count alone, so a row past the window is attended alone over the slice
 ``[L - W, L)``: what a one-token step at that position runs too, hence bitwise the same in
 a verification of any width. Rows still inside the window (``L <= W``) see keys
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from knapspec.model.row_attention import attend_rows
+from knapspec.model.kernels.row_attention import attend_rows
 
 __all__ = ["attend_rows_windowed", "layer_windows", "ragged_window_mask", "window_visible"]
 
@@ -51,7 +51,7 @@ def attend_rows_windowed(
     window: int | None,
     scale: float,
 ) -> torch.Tensor:
-    """:func:`~knapspec.model.row_attention.attend_rows` where row ``i`` sees keys
+    """:func:`~knapspec.model.kernels.row_attention.attend_rows` where row ``i`` sees keys
     ``[max(0, lengths[i] - window), lengths[i])`` (all of ``[0, lengths[i])`` when
     ``window`` is None).
 
@@ -96,7 +96,7 @@ def ragged_window_mask(
     starts: torch.Tensor, q_len: int, keys: int, groups: int, window: int
 ) -> torch.Tensor:
     """``(rows, 1, groups * q, keys)`` bool, laid out as
-    :func:`~knapspec.model.batched.ragged_mask`: packed query ``(g, t)`` of row ``r`` (at
+    :func:`~knapspec.model.passes.batched.ragged_mask`: packed query ``(g, t)`` of row ``r`` (at
     position ``starts[r] + t``) has key ``k`` inside its window, ``k > starts[r] + t -
     window``. AND it with the causal mask."""
     steps = torch.arange(q_len, device=starts.device)

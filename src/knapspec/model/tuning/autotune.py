@@ -1,13 +1,13 @@
 """Kernel tables by measurement on this machine, cached per machine and model shape.
 
-:func:`tune_kernel_table` times every candidate kernel of :mod:`knapspec.model.kernels`
+:func:`tune_kernel_table` times every candidate kernel of :mod:`knapspec.model.kernels.table`
 for each linear role of the model (q, k, v, o, gate, up, down, LM head and the fused
 q/k/v and gate/up products) and each row count ``1 .. SMALL_ROWS``, then keeps the fastest
 per weight shape (ties within ``margin`` go to ``F.linear``), fuses a group only where the
 fused product beats its parts, and finally checks the result with whole engine steps.
 Products over ``SMALL_ROWS`` rows (a prefill, a batched verification) get a kernel per
 shape too, ``F.linear`` or oneDNN's packed product, timed at 64 and 512 rows and checked
-with a whole 256-token forward. oneDNN (:mod:`knapspec.model.onednn`) is tried only where
+with a whole 256-token forward. oneDNN (:mod:`knapspec.model.kernels.onednn`) is tried only where
 the build has it and its weight copies fit in a quarter of the machine's memory: on a
 2-core AMD EPYC (family 25, AVX-512) it made an 11-token verify step 1.6x and a
 2048-token prefill 1.1x faster than the transposed kernel and ``F.linear``.
@@ -24,8 +24,8 @@ kernel everywhere (fused) and with plain ``F.linear``; the fastest whole step wi
 row count, and ``F.linear`` unless another beats it by ``margin``, so the engine is never
 slower than its own ``F.linear`` path where it was checked.
 
-The measuring and choosing live in :mod:`knapspec.model.kernel_timing`, the whole-step
-checks in :mod:`knapspec.model.kernel_checks`; this module keys the result to the machine
+The measuring and choosing live in :mod:`knapspec.model.tuning.timing`, the whole-step
+checks in :mod:`knapspec.model.tuning.checks`; this module keys the result to the machine
 and model, caches it and resolves the engine's choice (``$KNAPSPEC_KERNELS``). What first
 use costs is bounded for 1-8B models: a timing pass streams the first layers (at least
 ``STREAM_BYTES``, every layer of a small model) and the LM head, and the whole-step checks
@@ -52,14 +52,27 @@ import attrs
 import torch
 
 from knapspec.model import cachefiles
-from knapspec.model.kernel_checks import (
+from knapspec.model.kernels.onednn import (
+    onednn_available,
+    packing_fits,
+    physical_memory_bytes,
+    release_packed,
+)
+from knapspec.model.kernels.table import (
+    FUSION_GROUPS,
+    SMALL_ROWS,
+    KernelTable,
+    shape_name,
+)
+from knapspec.model.machine import blas_description, cpu_flags_digest, host_cpu_model
+from knapspec.model.tuning.checks import (
     DEFAULT_VALIDATE_ROWS,
     StepCheck,
     merge_rows,
     validate_large,
     validate_table,
 )
-from knapspec.model.kernel_timing import (
+from knapspec.model.tuning.timing import (
     DEFAULT_MARGIN,
     LARGE_ROWS,
     LinearRole,
@@ -71,23 +84,10 @@ from knapspec.model.kernel_timing import (
     measure_kernels,
     streamed_subset,
 )
-from knapspec.model.kernels import (
-    FUSION_GROUPS,
-    SMALL_ROWS,
-    KernelTable,
-    shape_name,
-)
-from knapspec.model.machine import blas_description, cpu_flags_digest, host_cpu_model
-from knapspec.model.onednn import (
-    onednn_available,
-    packing_fits,
-    physical_memory_bytes,
-    release_packed,
-)
 from knapspec.paths import cache_root
 
 if TYPE_CHECKING:
-    from knapspec.model.tunable import TunableEngine
+    from knapspec.model.tuning.tunable import TunableEngine
 
 #: Bump when the candidates or the measurement change, so that cached tables are re-tuned.
 AUTOTUNE_REVISION = 4

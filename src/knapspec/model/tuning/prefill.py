@@ -1,7 +1,7 @@
 """The kernels of a cold prefill's many-row products, timed once per machine.
 
 An exact engine runs every product through row-invariant kernels
-(:mod:`knapspec.model.invariance`), except a *cold prefill* (a prompt from position 0 while
+(:mod:`knapspec.model.tuning.invariance`), except a *cold prefill* (a prompt from position 0 while
 chunk invariance is off): no verification and no one-token step has its shape, and plain
 and speculative decoding share it, so it may run whatever is fastest. Which that is
 depends on the machine, the dtype and the prompt's length, so whole cold prefills are
@@ -29,20 +29,20 @@ import attrs
 import torch
 
 from knapspec.model import cachefiles
-from knapspec.model.autotune import KernelKey
-from knapspec.model.kernel_timing import DEFAULT_MARGIN, linear_roles
-from knapspec.model.kernels import (
+from knapspec.model.kernels.row_linear import build_tag
+from knapspec.model.kernels.table import (
     KERNELS,
     PLAIN_KERNEL,
     Kernel,
     KernelTable,
     Shape,
 )
-from knapspec.model.row_linear import build_tag
+from knapspec.model.tuning.autotune import KernelKey
+from knapspec.model.tuning.timing import DEFAULT_MARGIN, linear_roles
 from knapspec.paths import cache_root
 
 if TYPE_CHECKING:
-    from knapspec.model.tunable import TunableEngine
+    from knapspec.model.tuning.tunable import TunableEngine
 
 #: Prompt lengths (tokens) whole cold prefills are timed at: chat turns to documents.
 PREFILL_LENGTHS: tuple[int, ...] = (64, 512, 2048)

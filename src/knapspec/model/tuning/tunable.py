@@ -1,6 +1,6 @@
 """What the kernel autotuner needs of an engine: :class:`TunableEngine`.
 
-:mod:`knapspec.model.autotune` and :mod:`knapspec.model.kernel_timing` measure products
+:mod:`knapspec.model.tuning.autotune` and :mod:`knapspec.model.tuning.timing` measure products
 on an engine's own weights and time whole engine steps, and
 :class:`~knapspec.model.engine.SublayerEngine` asks them for its kernel table when it is
 built. Naming the engine class in the tuner would make the two modules know each other;
@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from knapspec.model.cache import KVCache
-from knapspec.model.fusion import FusedProjection
-from knapspec.model.kernels import KernelTable
+from knapspec.model.kernels.fusion import FusedProjection
+from knapspec.model.kernels.table import KernelTable
 
 
 class TunableEngine(Protocol):

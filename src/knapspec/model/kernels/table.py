@@ -8,9 +8,9 @@ CPU and its BLAS, not on the model:
 * ``transposed``: ``(W @ x.T).T``;
 * ``transposed-padded``: the same with 1 row padded to 2 and 3 rows to 4;
 * ``onednn``: oneDNN's inner product against a copy of ``W`` reordered once into its
-  blocked layout (:mod:`knapspec.model.onednn`; x86 builds of PyTorch);
+  blocked layout (:mod:`knapspec.model.kernels.onednn`; x86 builds of PyTorch);
 * ``row-linear``, ``amx-linear`` and ``packed-linear``: compiled kernels that are
-  row-invariant by construction (:mod:`knapspec.model.row_linear`; the second on the AMX
+  row-invariant by construction (:mod:`knapspec.model.kernels.row_linear`; the second on the AMX
   tiles, the third on a weight packed for VDPBF16PS, both bfloat16), candidates of exact
   engines only.
 
@@ -21,7 +21,7 @@ padded), and a whole decode step was 1.6x faster (``results/engine/small_row_lin
 On a 2-core Intel Xeon (AVX-512, MKL) the same transposed path made a decode step 2x
 *slower* than ``F.linear``. So nothing here is hard-coded: a :class:`KernelTable` says,
 per weight shape and row count, which kernel to run and whether to run each layer's
-q/k/v and gate/up projections as one fused product; :mod:`knapspec.model.autotune`
+q/k/v and gate/up projections as one fused product; :mod:`knapspec.model.tuning.autotune`
 measures it on the machine at hand, and anything but a float32 model on CPU gets
 :meth:`KernelTable.plain` (the framework's own products).
 
@@ -40,13 +40,18 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from knapspec.model.layer_ops import LIBRARY as LAYER_OPS_LIBRARY
-from knapspec.model.onednn import onednn_packed
-from knapspec.model.row_linear import AMX_NAME as AMX_KERNEL
-from knapspec.model.row_linear import LIBRARY as ROW_LINEAR_LIBRARY
-from knapspec.model.row_linear import NAME as ROW_LINEAR_KERNEL
-from knapspec.model.row_linear import PACKED_NAME as PACKED_KERNEL
-from knapspec.model.row_linear import amx_linear, one_row_at_a_time, packed_linear, row_linear
+from knapspec.model.kernels.layer_ops import LIBRARY as LAYER_OPS_LIBRARY
+from knapspec.model.kernels.onednn import onednn_packed
+from knapspec.model.kernels.row_linear import AMX_NAME as AMX_KERNEL
+from knapspec.model.kernels.row_linear import LIBRARY as ROW_LINEAR_LIBRARY
+from knapspec.model.kernels.row_linear import NAME as ROW_LINEAR_KERNEL
+from knapspec.model.kernels.row_linear import PACKED_NAME as PACKED_KERNEL
+from knapspec.model.kernels.row_linear import (
+    amx_linear,
+    one_row_at_a_time,
+    packed_linear,
+    row_linear,
+)
 
 #: Row counts the table covers (1 .. SMALL_ROWS): decode, draft and verify steps (``D + 1``
 #: rows at most) and the DP's small batches. Larger products always run ``F.linear``.
@@ -104,7 +109,7 @@ def transposed_padded(
 def rowwise(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Each row its own one-row ``F.linear``: row-invariant by construction (a row's result
     is the one-row product's), at one pass over ``W`` per row. The exact fallback where no
-    faster kernel keeps the contract (:mod:`knapspec.model.invariance`); never timed."""
+    faster kernel keeps the contract (:mod:`knapspec.model.tuning.invariance`); never timed."""
     return one_row_at_a_time(x, weight, bias)
 
 
@@ -153,7 +158,7 @@ def blocked_name(name: str, height: int) -> str:
 KERNELS: dict[str, Kernel] = {
     **_BASE_KERNELS,
     "rowwise": rowwise,  # ROWWISE_KERNEL: the exact fallback, never a timing candidate
-    # Row-invariant by construction (compiled C, :mod:`knapspec.model.row_linear`): a
+    # Row-invariant by construction (compiled C, :mod:`knapspec.model.kernels.row_linear`): a
     # candidate of exact engines only, never tried in blocks.
     ROW_LINEAR_KERNEL: row_linear,
     AMX_KERNEL: amx_linear,  # the same on the AMX tiles (bfloat16)

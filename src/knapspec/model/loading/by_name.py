@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from knapspec.model.dtypes import DTYPES, choose_dtype
-from knapspec.model.provision import KNOWN_MODELS, is_known_model, load_model_and_tokenizer
+from knapspec.model.loading.dtypes import DTYPES, choose_dtype
+from knapspec.model.loading.provision import KNOWN_MODELS, is_known_model, load_model_and_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -59,7 +59,7 @@ def load_model(
     """A known model (provisioned on first use) or a local directory, in ``dtype``.
 
     ``dtype`` is ``float32``, ``bfloat16`` or ``auto``, resolved by
-    :func:`knapspec.model.dtypes.choose_dtype`: ``auto`` loads float32 and measures a
+    :func:`knapspec.model.loading.dtypes.choose_dtype`: ``auto`` loads float32 and measures a
     bfloat16 copy only on CPUs with bf16 units; the choice and its reason go to stderr.
 
     Raises:

@@ -1,13 +1,13 @@
 """Whether a provisioned model directory is complete: its provenance file and file sizes.
 
-:mod:`knapspec.model.provision` writes ``knapspec-provenance.json`` into the model
+:mod:`knapspec.model.loading.provision` writes ``knapspec-provenance.json`` into the model
 directory last, with the size of every other file in it (``files``). A directory is used
 only when the provenance file parses and every listed file has its recorded size, so a
 directory that lost or truncated a file (a copy interrupted half way, a full disk, a
 hand edit) is provisioned again instead of failing to load or, worse, loading. Provenance
 files written before sizes were recorded (no ``files``) are trusted as before; a model that
 then fails to load is provisioned again by
-:func:`~knapspec.model.provision.load_model_and_tokenizer`.
+:func:`~knapspec.model.loading.provision.load_model_and_tokenizer`.
 """
 
 from __future__ import annotations
