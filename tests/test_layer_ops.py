@@ -278,6 +278,29 @@ def test_the_option_turns_them_all_off_and_batch_caches_write_alike() -> None:
     assert caches[0].keys(0, 3).abs().sum() > 0
 
 
+def test_the_amx_tile_set_up_is_one_header_both_tile_kernels_include(tmp_path: Path) -> None:
+    """The AMX set-up (asking the OS for the tiles, loading the tile configuration) is
+    written once, in ``csrc/amx_tiles.h``; the linear and the attention kernels include it,
+    and editing it rebuilds both (their cache keys hash every header beside the source)."""
+    import shutil
+
+    from knapspec.model.kernels.compiled import CSRC, CompiledLibrary
+
+    set_up = ("ARCH_REQ_XCOMP_PERM 0x", "_tile_loadconfig(")
+    writers = sorted(p.name for p in CSRC.iterdir() if any(s in p.read_text() for s in set_up))
+    assert writers == ["amx_tiles.h"]
+    for path in CSRC.iterdir():
+        shutil.copy(path, tmp_path / path.name)
+    header = tmp_path / "amx_tiles.h"
+    for source in ("row_linear.c", "row_attention.c"):
+        assert '#include "amx_tiles.h"' in (CSRC / source).read_text()
+        library = CompiledLibrary(source, "test", "test", lambda _: None)
+        library.source = tmp_path / source
+        before = library.path()
+        header.write_text(header.read_text() + f"\n/* edited for {source} */\n")
+        assert library.path() != before
+
+
 def test_a_kernels_cache_key_covers_the_shared_header_and_the_wheel_ships_both(
     tmp_path: Path,
 ) -> None:

@@ -3,8 +3,10 @@
 The row-invariant kernels (:mod:`knapspec.model.kernels.row_attention`,
 :mod:`knapspec.model.kernels.row_linear`) are plain C (no torch headers: each compiles in about a
 second) built with ``-march=native`` for the CPU at hand, loaded with :mod:`ctypes` (which
-releases the GIL during a call). A library is cached under the knapspec cache, keyed by its
-source and the headers beside it, the compiler, the flags and the CPU's model name and
+releases the GIL during a call). The headers they share (``csrc/bfloat16.h``,
+``csrc/amx_tiles.h``) sit beside the sources, on the include path. A library is cached under
+the knapspec cache, keyed by its source and every header beside it, the compiler, the flags
+and the CPU's model name and
 flags (a kernel built for one CPU may not run on another sharing the cache). Where no
 compiler works, :meth:`load` returns None and says why once; callers fall back to pure
 PyTorch.
@@ -99,8 +101,10 @@ class CompiledLibrary:
         handle, temporary = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(handle)
         try:
+            # The shared headers (bfloat16.h, amx_tiles.h) sit beside the source.
+            include = ["-I", str(self.source.parent)]
             subprocess.run(
-                [cc, *self.flags, "-o", temporary, str(self.source), "-lm"],
+                [cc, *self.flags, *include, "-o", temporary, str(self.source), "-lm"],
                 check=True,
                 capture_output=True,
                 timeout=120,

@@ -411,39 +411,10 @@ int knapspec_packed_linear(const uint16_t *x, const uint16_t *packed, const uint
  */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#include "amx_tiles.h"
+
 #define AMX_GROUP 4 /* accumulator tiles per pass: 64 outputs */
-
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Whether the OS lets this process use the tile registers (asked once). */
-static int amx_permitted(void) {
-    static int state = 0;
-    if (state == 0)
-        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return state == 1;
-}
-
-static void amx_configure(void) {
-    tile_config config;
-    memset(&config, 0, sizeof config);
-    config.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        config.rows[t] = 16;
-        config.colsb[t] = 64;
-    }
-    _tile_loadconfig(&config);
-}
 
 /* Tiles 0..count-1 accumulate outputs n_tile .. n_tile+count-1 of one 16-row block. */
 #define AMX_STEP(T)                                                                   \
