@@ -223,11 +223,10 @@ def test_non_cpu_devices_and_other_dtypes_get_the_framework_products() -> None:
 
 
 def test_the_switches_force_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without the exactness contract the switches force the framework's products; with it
-    (the default) the forced table is then made row-invariant, F.linear kept wherever it
-    passes the probe here."""
+    """Without the exactness contract the switches (``kernels="f.linear"``,
+    ``$KNAPSPEC_KERNELS``) force the framework's products; with it (the default) the forced
+    table is then made row-invariant, F.linear kept wherever it passes the probe here."""
     model = tiny_model("qwen3", seed=2)
-    assert SublayerEngine(model, small_row_linear=False, exact=False).kernels.is_plain
     assert SublayerEngine(model, kernels="f.linear", exact=False).kernels.is_plain
     exact = SublayerEngine(model, kernels="f.linear")
     assert exact.invariance is not None

@@ -130,7 +130,7 @@ def test_a_row_count_dependent_engine_fails_the_contract(family: str) -> None:
     assert verification_mismatches(engine, _tokens(30, 1), _tokens(11, 2))
 
 
-#: The engine's paths a verification can take, and how to choose each.
+#: The engine's paths a verification can take, and how to choose each (``EnginePaths``).
 PATHS = {
     "layer-loop": {},
     "lean-items": {"compiled_loop": False},
@@ -194,13 +194,12 @@ def test_a_mutant_kernel_in_an_exact_engine_is_caught(
     same kernel without the drift) runs there too and passes, so the drift alone is what
     the check caught."""
     engine = _engine("llama", torch.float32)
-    for name, value in PATHS[path].items():
-        monkeypatch.setattr(engine, name, value)
-    assert _verify(check, engine) == []  # every plan made before the kernel changes
-    spy = _PathSpy(monkeypatch)
-    kernel = RowCountingKernel(MUTANT_DRIFT if mutant else 0.0, base=KERNELS["rowwise"])
-    with engine.substituted_products(kernel, [(64, 64)]):
-        problems = _verify(check, engine)
+    with engine.use_paths(**PATHS[path]):
+        assert _verify(check, engine) == []  # every plan made before the kernel changes
+        spy = _PathSpy(monkeypatch)
+        kernel = RowCountingKernel(MUTANT_DRIFT if mutant else 0.0, base=KERNELS["rowwise"])
+        with engine.substituted_products(kernel, [(64, 64)]):
+            problems = _verify(check, engine)
     assert kernel.multi_row_calls > 0, "the kernel never ran over several rows"
     assert spy.took(path), f"the check did not run the {path} path"
     assert bool(problems) == mutant, problems

@@ -347,9 +347,9 @@ def test_a_pass_that_fails_in_the_loop_raises_and_the_engine_goes_on(
             engine.forward(torch.tensor([4]), 3, cache)
     assert cache.lengths == [3] * engine.num_layers
     on = engine.forward(torch.tensor([4]), 3, cache).logits
-    engine.compiled_loop = False
     cache.crop(3)
-    off = engine.forward(torch.tensor([4]), 3, cache).logits
+    with engine.use_paths(compiled_loop=False):
+        off = engine.forward(torch.tensor([4]), 3, cache).logits
     assert torch.equal(on, off)
 
 

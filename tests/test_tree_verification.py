@@ -313,9 +313,9 @@ def test_a_tree_attended_in_one_sdpa_call_fails_the_check(monkeypatch: pytest.Mo
     engine = _engine("llama", torch.float32)
     # The mutant sits in the general path; the lean pass (bitwise that path, see
     # tests/test_exact_pass.py) would not call it.
-    monkeypatch.setattr(engine, "lean_passes", False)
     parents = _random_parents(12, 3)
-    problems = _tree_mismatches(engine, _tokens(30, 1), _tokens(12, 2), parents, 11)
+    with engine.use_paths(lean_passes=False):
+        problems = _tree_mismatches(engine, _tokens(30, 1), _tokens(12, 2), parents, 11)
     assert calls, "the mutant tree attention never ran"
     assert problems
 

@@ -20,10 +20,12 @@ from knapspec.model.engine import (
     SublayerEngine,
     UnsupportedModelError,
 )
+from knapspec.model.passes.exact_pass import EnginePaths
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "ContextLengthError",
+    "EnginePaths",
     "ForwardOutput",
     "KVCache",
     "OffloadedModelError",

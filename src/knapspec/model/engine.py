@@ -66,7 +66,7 @@ from knapspec.model.kernels.table import (
     Kernel,
     KernelTable,
 )
-from knapspec.model.passes.exact_pass import ExactLayerPass
+from knapspec.model.passes.exact_pass import EnginePaths, ExactLayerPass
 from knapspec.model.passes.sliding_window import attend_rows_windowed, layer_windows, window_visible
 from knapspec.model.passes.tree import TreeLayout, tree_layout
 from knapspec.model.tuning.autotune import KERNELS_ENV, framework_only, resolve_kernel_table
@@ -229,7 +229,6 @@ class SublayerEngine:
             choice; or a :class:`~knapspec.model.kernels.table.KernelTable`. None reads
             ``$KNAPSPEC_KERNELS``, else ``"auto"``. A model on a non-CPU device or in a
             dtype other than float32 always runs the framework's own products.
-        small_row_linear: False is ``kernels="f.linear"`` (kept for older code).
         fuse_projections: allow running each layer's query/key/value and gate/up
             projections as one product where the table says it pays
             (:mod:`knapspec.model.kernels.fusion`: the layers' weights become row blocks of one
@@ -262,6 +261,10 @@ class SublayerEngine:
             copy per buffer (bitwise); False keeps the model's modules and PyTorch's
             indexed writes (A/B runs). :attr:`compiled_norms`, :attr:`compiled_rotary` and
             :attr:`compiled_writes` say what runs.
+        paths: which of the exact engine's interchangeable paths run (lean passes, the
+            compiled layer loop; all on by default): a debug and A/B setting that changes
+            no result (:class:`~knapspec.model.passes.exact_pass.EnginePaths`; for a block
+            of code, :meth:`use_paths`).
     """
 
     def __init__(
@@ -269,12 +272,12 @@ class SublayerEngine:
         model: nn.Module,
         *,
         kernels: KernelTable | str | None = None,
-        small_row_linear: bool = True,
         fuse_projections: bool = True,
         progress: bool | None = None,
         exact: bool = True,
         invariant_prefill: bool | None = None,
         compiled_layer_ops: bool = True,
+        paths: EnginePaths | None = None,
     ) -> None:
         _check_supported(model)
         _check_placement(model)
@@ -334,8 +337,6 @@ class SublayerEngine:
             limit = min(limit, int(window))
         self.max_context: int = limit
         self.model_name: str = str(getattr(config, "_name_or_path", "") or type(model).__name__)
-        if not small_row_linear:
-            kernels = "f.linear"
         # Fusion re-points the layers' weights (same values, same memory); only where a
         # table may use it: a float32 CPU model with a table that is not plain F.linear,
         # or an exact CPU engine (its row-invariant table fuses where the kernel computes
@@ -374,15 +375,7 @@ class SublayerEngine:
         # fewer. Decided before anything runs a forward (the kernel probe below does).
         #: Whether batch caches write K/V through one compiled copy (bitwise; any engine).
         self.compiled_writes: bool = compiled_layer_ops and self.device.type == "cpu"
-        #: Whether exact batched passes, decode steps, verifications and token trees run
-        #: their layer items through :class:`~knapspec.model.passes.exact_pass.ExactLayerPass`
-        #: (bitwise the general path, its per-pass work done once; False runs the general
-        #: path, for A/B runs).
-        self.lean_passes: bool = True
-        #: Whether a lean pass that runs every sublayer runs its whole layer loop as one
-        #: compiled call (:mod:`knapspec.model.kernels.layer_loop`; bitwise the same; False runs
-        #: its items one by one, for A/B runs).
-        self.compiled_loop: bool = True
+        self._paths = paths if paths is not None else EnginePaths()
         # Gemma's norms scale by 1 + w: its modules run (and serves_norms says no too).
         compiled = (
             compiled_layer_ops and exact and self.device.type == "cpu" and not self.sandwich_norms
@@ -437,6 +430,31 @@ class SublayerEngine:
             self._prefill_large = kept
 
     @property
+    def paths(self) -> EnginePaths:
+        """Which of the exact engine's interchangeable paths run (see
+        :class:`~knapspec.model.passes.exact_pass.EnginePaths`)."""
+        return self._paths
+
+    @contextlib.contextmanager
+    def use_paths(
+        self, *, lean_passes: bool | None = None, compiled_loop: bool | None = None
+    ) -> Iterator[EnginePaths]:
+        """Run other paths while the context is open (the fields given; the rest as they
+        are), then the engine's own again: for A/B runs, debugging and tests. Bitwise the
+        same results either way (:class:`~knapspec.model.passes.exact_pass.EnginePaths`).
+
+        Yields:
+            the paths in force inside the block.
+        """
+        changes = {"lean_passes": lean_passes, "compiled_loop": compiled_loop}
+        kept = self._paths
+        self._paths = attrs.evolve(kept, **{k: v for k, v in changes.items() if v is not None})
+        try:
+            yield self._paths
+        finally:
+            self._paths = kept
+
+    @property
     def has_qk_norm(self) -> bool:
         """Whether the attention normalises queries and keys per head (Qwen3's q/k norm)."""
         return self._has_qk_norm
@@ -482,7 +500,6 @@ class SublayerEngine:
         if not self._fuse_projections:
             table = table.with_fusion_off()
         self.kernels = table
-        self.small_row_linear = not table.is_plain
         self._max_rows = table.max_rows if not table.is_plain else 0
         self._set_dispatch(table.dispatch(), table.large_dispatch())
         #: The kernels of a cold prefill's many-row products (``__init__`` says when they

@@ -97,7 +97,6 @@ _STEPS = (
 class LoopEngine(Protocol):
     """What the loop uses of :class:`~knapspec.model.engine.SublayerEngine`."""
 
-    compiled_loop: bool
     kernel_generation: int
     dtype: torch.dtype
     num_heads: int
@@ -380,7 +379,7 @@ def run_layers(
     global _function_table
     library = LIBRARY.load()
     dtype = _DTYPES.get(hidden.dtype)
-    if library is None or not engine.compiled_loop or dtype is None:
+    if library is None or dtype is None:
         return None
     tokens = write_rows.numel()
     plan = _plan(engine, tokens)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,13 +35,35 @@ from knapspec.model.kernels.fusion import FusedProjection
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
+@attrs.frozen
+class EnginePaths:
+    """Which of an exact engine's interchangeable code paths run: a debug and A/B setting.
+
+    Every choice computes bitwise the same logits and K/V (``tests/test_exact_pass.py`` and
+    ``tests/test_layer_loop.py`` compare them); they differ in speed, and in how much of a
+    pass runs in Python where a debugger, a profiler or a substituted function sees it.
+    Give it when the engine is built (``SublayerEngine(model, paths=EnginePaths(...))``) or
+    for a block (``with engine.use_paths(lean_passes=False): ...``); read it as
+    :attr:`SublayerEngine.paths <knapspec.model.engine.SublayerEngine.paths>`.
+
+    Attributes:
+        lean_passes: exact decode steps, verifications, token trees and batched passes run
+            their layer items through :class:`ExactLayerPass` (the per-pass work done
+            once); False: through the engine's general item methods.
+        compiled_loop: a lean pass runs its whole layer loop as one compiled call
+            (:mod:`knapspec.model.kernels.layer_loop`) where that serves; False: its items
+            one by one from Python.
+    """
+
+    lean_passes: bool = True
+    compiled_loop: bool = True
+
+
 class LeanEngine(Protocol):
     """What the lean pass uses of :class:`~knapspec.model.engine.SublayerEngine` (which
     imports this module to run it)."""
 
     exact: bool
-    lean_passes: bool
-    compiled_loop: bool
     kernel_generation: int
     kernels: Any
     compiled_norms: bool
@@ -54,6 +77,9 @@ class LeanEngine(Protocol):
 
     @property
     def has_qk_norm(self) -> bool: ...
+
+    @property
+    def paths(self) -> EnginePaths: ...
 
     def fused_product(
         self, group: str, layer_index: int, x: torch.Tensor
@@ -139,7 +165,7 @@ class ExactLayerPass:
     ) -> ExactLayerPass | None:
         """The pass over ``index``'s tokens, or None where it does not fit (an inexact
         engine, no compiled layer operations or attention kernel, q/k norms) or the engine
-        turned it off (:attr:`~knapspec.model.engine.SublayerEngine.lean_passes`).
+        turned it off (:attr:`EnginePaths.lean_passes`).
 
         Args:
             compiled_writes: whether the cache may be written through the compiled copy.
@@ -155,7 +181,7 @@ class ExactLayerPass:
         library = row_attention.load_library()
         if (
             library is None
-            or not engine.lean_passes
+            or not engine.paths.lean_passes
             or not engine.exact
             or not engine.compiled_norms
             or not engine.compiled_rotary
@@ -236,7 +262,10 @@ class ExactLayerPass:
         ``executed`` flags, attention then MLP per layer, where given), all in one compiled
         call (:mod:`knapspec.model.kernels.layer_loop`, bitwise these items one by one), the
         executed attention items' K/V written; or None, nothing written, where that call
-        does not serve this pass (the caller then runs the items)."""
+        does not serve this pass or the engine turned it off (:attr:`EnginePaths.compiled_loop`;
+        the caller then runs the items)."""
+        if not self.engine.paths.compiled_loop:
+            return None
         return layer_loop.run_layers(
             self.engine,
             self.cache.buffers,
