@@ -409,7 +409,17 @@ def test_only_a_cold_prefill_runs_the_measured_kernels_for_many_rows() -> None:
     calls.clear()
     engine.forward(_tokens(30, 2), 40, cache)  # a 30-row verification past the prompt
     assert calls == []
-    assert not engine._cold_prefill
+
+    def failing(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise RuntimeError("injected")
+
+    spies = engine._prefill_large
+    engine._prefill_large = dict.fromkeys(spies, failing)
+    with pytest.raises(RuntimeError, match="injected"):  # a cold prefill that fails midway
+        engine.forward(_tokens(40, 4), 0, engine.new_cache(64))
+    engine._prefill_large = spies
+    engine.forward(_tokens(20, 5), 70, cache)  # leaves nothing behind for the next call
+    assert calls == []
     if engine.enable_chunk_invariance():
         engine.forward(_tokens(40, 3), 0, engine.new_cache(64))
         assert calls == []

@@ -83,6 +83,9 @@ SANDWICH_MODEL_TYPES: tuple[str, ...] = ("gemma3_text",)
 
 _PLAIN: Kernel = KERNELS[PLAIN_KERNEL]
 
+#: Kernels of the products over more than a table's ``max_rows`` rows, by weight shape.
+ManyRowKernels = Mapping[tuple[int, ...], Kernel]
+
 
 class UnsupportedModelError(ValueError):
     """The model's architecture cannot be run item by item by this engine."""
@@ -410,24 +413,20 @@ class SublayerEngine:
             # step has that shape (they start past the prompt), plain and speculative
             # decoding share the prefill, and with chunk invariance on (prefix cache,
             # conversations) every prefill keeps the row-invariant kernels.
-            self._prefill_large: Mapping[tuple[int, ...], Kernel] = prefill_dispatch(
+            self._prefill_large: ManyRowKernels = prefill_dispatch(
                 self, measured, table, self._time_cold_prefill
             )
 
-    def _time_cold_prefill(self, dispatch: Mapping[tuple[int, ...], Kernel], length: int) -> float:
+    def _time_cold_prefill(self, dispatch: ManyRowKernels, length: int) -> float:
         """Seconds of one cold prefill of ``length`` tokens (a fixed pseudo-random prompt)
-        with ``dispatch`` as its many-row kernels (:mod:`knapspec.model.tuning.prefill`)."""
+        with ``dispatch`` as its many-row kernels (:mod:`knapspec.model.tuning.prefill`);
+        the engine's own stay as they are."""
         generator = torch.Generator().manual_seed(length)
         tokens = torch.randint(0, self.vocab_size, (length,), generator=generator)
-        kept = self._prefill_large
-        self._prefill_large = dict(dispatch)
-        try:
-            cache = self.new_cache(length)
-            start = time.perf_counter()
-            self.forward(tokens, 0, cache, all_logits=False)
-            return time.perf_counter() - start
-        finally:
-            self._prefill_large = kept
+        cache = self.new_cache(length)
+        start = time.perf_counter()
+        self._forward(tokens, 0, cache, None, False, False, None, dispatch)
+        return time.perf_counter() - start
 
     @property
     def paths(self) -> EnginePaths:
@@ -503,10 +502,8 @@ class SublayerEngine:
         self._max_rows = table.max_rows if not table.is_plain else 0
         self._set_dispatch(table.dispatch(), table.large_dispatch())
         #: The kernels of a cold prefill's many-row products (``__init__`` says when they
-        #: differ from ``_large``).
+        #: differ from ``_large``; :meth:`forward` hands them down the call).
         self._prefill_large = self._large
-        #: Set by :meth:`forward` during a cold prefill (see ``_prefill_large``).
-        self._cold_prefill = False
         self._fuse_qkv_rows = table.fuse_rows("qkv")
         self._fuse_gate_up_rows = table.fuse_rows("gate_up")
         # A row-invariant table fuses products over max_rows rows as it fuses few-row ones
@@ -611,28 +608,35 @@ class SublayerEngine:
             )
 
     # ------------------------------------------------------------- numerics
-    def project(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def project(
+        self, module: nn.Module, x: torch.Tensor, prefill: ManyRowKernels | None = None
+    ) -> torch.Tensor:
         """``module(x)`` for a linear layer, through the table's kernel for few rows.
 
         Anything but a plain ``nn.Linear`` (a quantised or hooked layer) runs as itself.
+        ``prefill``: a cold prefill's many-row kernels, handed down by :meth:`forward`
+        during one (None: the table's).
         """
-        kernel = self.project_kernel(module, x.numel() // x.shape[-1])
+        kernel = self.project_kernel(module, x.numel() // x.shape[-1], prefill)
         if kernel is not None:
             assert isinstance(module, nn.Linear)  # project_kernel serves nothing else
             return kernel(x, module.weight, module.bias)
         result: torch.Tensor = module(x)
         return result
 
-    def project_kernel(self, module: nn.Module, rows: int) -> Kernel | None:
-        """The kernel :meth:`project` runs ``module`` with over ``rows`` rows, or None where
-        the module runs as itself (not a plain ``nn.Linear``, or no kernel for its shape)."""
+    def project_kernel(
+        self, module: nn.Module, rows: int, prefill: ManyRowKernels | None = None
+    ) -> Kernel | None:
+        """The kernel :meth:`project` runs ``module`` with over ``rows`` rows (``prefill``: a
+        cold prefill's many-row kernels, or None), or None where the module runs as itself
+        (not a plain ``nn.Linear``, or no kernel for its shape)."""
         if type(module) is not nn.Linear:
             return None
         shape = module.weight.shape
         if rows <= self._max_rows:
             kernels = self._dispatch.get(shape)
             return kernels[rows] if kernels is not None else None
-        large = self._prefill_large if self._cold_prefill else self._large
+        large = prefill if prefill is not None else self._large
         return large.get(shape)
 
     def normed(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -649,15 +653,17 @@ class SublayerEngine:
         fuse_rows: tuple[bool, ...],
         x: torch.Tensor,
         fuse_large: bool = False,
+        prefill: ManyRowKernels | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """The parts' outputs for ``x (..., d)``: one product where the table fuses this
-        many rows (``fuse_large``: also over ``max_rows``) and the fusion is current; else
-        one product per part (a prefill, see :mod:`knapspec.model.kernels.fusion`, or weights
-        replaced since the engine was built)."""
-        product = self._fused_product(fused, fuse_rows, x, fuse_large)
+        many rows (``fuse_large``: also over ``max_rows``, outside a cold prefill) and the
+        fusion is current; else one product per part (a prefill, see
+        :mod:`knapspec.model.kernels.fusion`, or weights replaced since the engine was
+        built). ``prefill``: as :meth:`project` takes it."""
+        product = self._fused_product(fused, fuse_rows, x, fuse_large, prefill)
         if product is not None:
             return fused.split(product)
-        return tuple(self.project(part, x) for part in fused.parts)
+        return tuple(self.project(part, x, prefill) for part in fused.parts)
 
     def _fused_product(
         self,
@@ -665,18 +671,26 @@ class SublayerEngine:
         fuse_rows: tuple[bool, ...],
         x: torch.Tensor,
         fuse_large: bool,
+        prefill: ManyRowKernels | None = None,
     ) -> torch.Tensor | None:
         """:meth:`_fused`'s one product ``(..., Σ sizes)``, or None where it runs the parts."""
-        kernel = self._fused_kernel(fused, fuse_rows, x.numel() // x.shape[-1], fuse_large)
+        rows = x.numel() // x.shape[-1]
+        kernel = self._fused_kernel(fused, fuse_rows, rows, fuse_large, prefill)
         return None if kernel is None else kernel(x, fused.weight, fused.bias)
 
     def _fused_kernel(
-        self, fused: FusedProjection, fuse_rows: tuple[bool, ...], rows: int, fuse_large: bool
+        self,
+        fused: FusedProjection,
+        fuse_rows: tuple[bool, ...],
+        rows: int,
+        fuse_large: bool,
+        prefill: ManyRowKernels | None = None,
     ) -> Kernel | None:
         """The kernel of ``fused``'s one product over ``rows`` rows, or None where the parts
-        run one by one (this many rows not fused, or the fusion no longer current)."""
+        run one by one (this many rows not fused, a cold prefill's many rows, or the fusion
+        no longer current)."""
         small = rows <= self._max_rows
-        fuse_large = fuse_large and not self._cold_prefill
+        fuse_large = fuse_large and prefill is None
         if not ((fuse_rows[rows] if small else fuse_large) and fused.is_current()):
             return None
         shape = fused.weight.shape
@@ -725,8 +739,11 @@ class SublayerEngine:
         kernel = self._fused_kernel(fused, fuse_rows, rows, large)
         return None if kernel is None else (fused, kernel)
 
-    def _gated_mlp(self, layer_index: int, x: torch.Tensor) -> torch.Tensor:
-        """``down(act(gate(x)) * up(x))``, the Llama/Mistral/Qwen MLP, via :meth:`project`."""
+    def _gated_mlp(
+        self, layer_index: int, x: torch.Tensor, prefill: ManyRowKernels | None = None
+    ) -> torch.Tensor:
+        """``down(act(gate(x)) * up(x))``, the Llama/Mistral/Qwen MLP, via :meth:`project`
+        (``prefill`` as it takes it)."""
         mlp = self.layers[layer_index].mlp
         gate = getattr(mlp, "gate_proj", None)
         up = getattr(mlp, "up_proj", None)
@@ -743,12 +760,14 @@ class SublayerEngine:
             return result
         fused = self._fused_gate_up[layer_index]
         if fused is not None:
-            gated, upward = self._fused(fused, self._fuse_gate_up_rows, x, self._fuse_gate_up_large)
+            gated, upward = self._fused(
+                fused, self._fuse_gate_up_rows, x, self._fuse_gate_up_large, prefill
+            )
         else:
-            gated, upward = self.project(gate, x), self.project(up, x)
+            gated, upward = self.project(gate, x, prefill), self.project(up, x, prefill)
         hidden = act(gated)
         hidden.mul_(upward)  # in place: one (rows, d_ff) allocation fewer
-        return self.project(down, hidden)
+        return self.project(down, hidden, prefill)
 
     def rotary(
         self, positions: torch.Tensor, like: torch.Tensor
@@ -784,9 +803,15 @@ class SublayerEngine:
         return cos[first : first + rows], sin[first : first + rows]
 
     def project_qkv(
-        self, layer_index: int, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        layer_index: int,
+        normed: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        prefill: ManyRowKernels | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries ``(b, H, q, hd)`` and keys/values ``(b, kvH, q, hd)`` with rotary applied."""
+        """Queries ``(b, H, q, hd)`` and keys/values ``(b, kvH, q, hd)`` with rotary applied
+        (``prefill``: as :meth:`project` takes it)."""
         attn = self.layers[layer_index].self_attn
         cos, sin = self.layer_rotary(layer_index, cos, sin)
         batch, q_len, _ = normed.shape
@@ -795,12 +820,14 @@ class SublayerEngine:
         if fused is not None:
             query, key, value = (
                 part.reshape(shape)
-                for part in self._fused(fused, self._fuse_qkv_rows, normed, self._fuse_qkv_large)
+                for part in self._fused(
+                    fused, self._fuse_qkv_rows, normed, self._fuse_qkv_large, prefill
+                )
             )
         else:
-            query = self.project(attn.q_proj, normed).view(shape)
-            key = self.project(attn.k_proj, normed).view(shape)
-            value = self.project(attn.v_proj, normed).view(shape)
+            query = self.project(attn.q_proj, normed, prefill).view(shape)
+            key = self.project(attn.k_proj, normed, prefill).view(shape)
+            value = self.project(attn.v_proj, normed, prefill).view(shape)
         if self._has_qk_norm:
             query = attn.q_norm(query)
             key = attn.k_norm(key)
@@ -976,10 +1003,12 @@ class SublayerEngine:
         cache: KVCache,
         tree: TreeLayout | None = None,
         lean: ExactLayerPass | None = None,
+        prefill: ManyRowKernels | None = None,
     ) -> torch.Tensor:
         """Run layer ``layer_index``'s attention item on ``hidden (1, q, d)``, writing K/V
         (with ``tree``, node ``i`` at slot ``start + i``, attending as :meth:`forward_tree`
-        says); through ``lean`` (:meth:`_lean_pass`) where it serves this layer."""
+        says); through ``lean`` (:meth:`_lean_pass`) where it serves this layer; ``prefill``
+        as :meth:`project` takes it."""
         if lean is not None:
             cache.check_gap(layer_index, start)
             stepped = lean.attention_item(layer_index, hidden)
@@ -989,7 +1018,7 @@ class SublayerEngine:
         layer = self.layers[layer_index]
         q_len = hidden.shape[1]
         query, key, value = self.project_qkv(
-            layer_index, self.normed(layer.input_layernorm, hidden), cos, sin
+            layer_index, self.normed(layer.input_layernorm, hidden), cos, sin, prefill
         )
         cache.write(layer_index, start, key[0], value[0])
         end = start + q_len
@@ -1016,43 +1045,53 @@ class SublayerEngine:
             attended = self._attend(query, keys, values, None)
         else:
             attended = self._attend(query, keys, values, causal_mask(start, q_len, self.device))
-        return self.attention_residual(layer_index, hidden, attended)
+        return self.attention_residual(layer_index, hidden, attended, prefill)
 
     def attention_residual(
-        self, layer_index: int, hidden: torch.Tensor, attended: torch.Tensor
+        self,
+        layer_index: int,
+        hidden: torch.Tensor,
+        attended: torch.Tensor,
+        prefill: ManyRowKernels | None = None,
     ) -> torch.Tensor:
         """The residual stream ``hidden (..., d)`` after layer ``layer_index``'s attention
         whose heads' output is ``attended (..., H * hd)``: plus its output projection,
-        normalised first where the layers have a norm after each sublayer (Gemma 3)."""
+        normalised first where the layers have a norm after each sublayer (Gemma 3);
+        ``prefill`` as :meth:`project` takes it."""
         layer = self.layers[layer_index]
-        out = self.project(layer.self_attn.o_proj, attended)
+        out = self.project(layer.self_attn.o_proj, attended, prefill)
         if self.sandwich_norms:
             out = self.normed(layer.post_attention_layernorm, out)
         output: torch.Tensor = hidden + out
         return output
 
     def mlp_item(
-        self, layer_index: int, hidden: torch.Tensor, lean: ExactLayerPass | None = None
+        self,
+        layer_index: int,
+        hidden: torch.Tensor,
+        lean: ExactLayerPass | None = None,
+        prefill: ManyRowKernels | None = None,
     ) -> torch.Tensor:
         """The residual stream ``(b, q, d)`` after layer ``layer_index``'s MLP sublayer
         (through ``lean``, a pass's :class:`~knapspec.model.passes.exact_pass.ExactLayerPass`,
-        where it serves this layer: bitwise the same)."""
+        where it serves this layer: bitwise the same; ``prefill`` as :meth:`project` takes
+        it)."""
         if lean is not None:
             stepped = lean.mlp_item(layer_index, hidden)
             if stepped is not None:
                 return stepped
         layer = self.layers[layer_index]
         if self.sandwich_norms:
-            fed = self._gated_mlp(layer_index, self.normed(layer.pre_feedforward_layernorm, hidden))
+            normed = self.normed(layer.pre_feedforward_layernorm, hidden)
+            fed = self._gated_mlp(layer_index, normed, prefill)
             sandwiched: torch.Tensor = hidden + self.normed(layer.post_feedforward_layernorm, fed)
             return sandwiched
         output: torch.Tensor = hidden + self._gated_mlp(
-            layer_index, self.normed(layer.post_attention_layernorm, hidden)
+            layer_index, self.normed(layer.post_attention_layernorm, hidden), prefill
         )
         return output
 
     # ------------------------------------------------------------- public API
-    @torch.inference_mode()
     def forward(
         self,
         token_ids: torch.Tensor,
@@ -1078,6 +1117,31 @@ class SublayerEngine:
         Returns:
             :class:`ForwardOutput`.
         """
+        return self._forward(
+            token_ids,
+            start,
+            cache,
+            mask,
+            all_logits,
+            capture_points,
+            capture_last,
+            self._prefill_large,
+        )
+
+    @torch.inference_mode()
+    def _forward(
+        self,
+        token_ids: torch.Tensor,
+        start: int,
+        cache: KVCache,
+        mask: SublayerMask | None,
+        all_logits: bool,
+        capture_points: bool,
+        capture_last: int | None,
+        prefill_kernels: ManyRowKernels,
+    ) -> ForwardOutput:
+        """:meth:`forward`, a cold prefill's many-row products through ``prefill_kernels``
+        (the engine's own, or those :meth:`_time_cold_prefill` times)."""
         if token_ids.dim() != 1 or token_ids.numel() == 0:
             raise ValueError(
                 f"token_ids must be a non-empty 1-D tensor, got shape {tuple(token_ids.shape)}"
@@ -1098,27 +1162,27 @@ class SublayerEngine:
         copy = capture_last is not None and capture_last < q_len
         points: list[torch.Tensor] = [_kept(hidden, keep, copy)] if capture_points else []
         executed = mask.executed if mask is not None else (True,) * self.num_items
-        self._cold_prefill = start == 0 and not self.chunk_invariant
+        # A cold prefill (a prompt from position 0 while chunk invariance is off) hands its
+        # many-row kernels down the call; every other call runs the table's. (At position 0
+        # the lean pass and the layer loop serve a single token, never a many-row product.)
+        prefill = prefill_kernels if start == 0 and not self.chunk_invariant else None
         lean = self._lean_pass(start, q_len, cos, sin, cache)
         looped = None
         if lean is not None and not capture_points:
             looped = self._run_loop(lean, hidden, start, cache, executed)
-        try:
-            for layer_index in range(self.num_layers if looped is None else 0):
-                if executed[2 * layer_index]:
-                    hidden = self._attention_item(
-                        layer_index, hidden, start, cos, sin, cache, lean=lean
-                    )
-                if capture_points:
-                    points.append(_kept(hidden, keep, copy))
-                if executed[2 * layer_index + 1]:
-                    hidden = self.mlp_item(layer_index, hidden, lean)
-                if capture_points:
-                    points.append(_kept(hidden, keep, copy))
-            final = hidden[0] if looped is None else looped[0]
-            logits = self.logits(final if all_logits else final[-1:])
-        finally:
-            self._cold_prefill = False
+        for layer_index in range(self.num_layers if looped is None else 0):
+            if executed[2 * layer_index]:
+                hidden = self._attention_item(
+                    layer_index, hidden, start, cos, sin, cache, lean=lean, prefill=prefill
+                )
+            if capture_points:
+                points.append(_kept(hidden, keep, copy))
+            if executed[2 * layer_index + 1]:
+                hidden = self.mlp_item(layer_index, hidden, lean, prefill)
+            if capture_points:
+                points.append(_kept(hidden, keep, copy))
+        final = hidden[0] if looped is None else looped[0]
+        logits = self.logits(final if all_logits else final[-1:], prefill)
         stacked = None
         if capture_points:
             stacked = torch.stack(points) if copy else torch.stack(points)[:, 0, keep]
@@ -1236,9 +1300,10 @@ class SublayerEngine:
         stacked = torch.stack(points) if capture_points else None
         return ForwardOutput(logits=self.logits(final), hidden=final, points=stacked)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: ``(..., d_model) -> (..., vocab)`` in float32."""
-        logits: torch.Tensor = self.project(self.lm_head, self.final_norm(hidden))
+    def logits(self, hidden: torch.Tensor, prefill: ManyRowKernels | None = None) -> torch.Tensor:
+        """Final norm and LM head: ``(..., d_model) -> (..., vocab)`` in float32
+        (``prefill`` as :meth:`project` takes it)."""
+        logits: torch.Tensor = self.project(self.lm_head, self.final_norm(hidden), prefill)
         cap = self.final_logit_softcapping
         if cap is not None:  # as the model's forward does, in the model's dtype
             logits = torch.tanh(logits / cap) * cap
