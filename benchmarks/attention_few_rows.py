@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-import knapspec.model.row_attention as row_attention
+import knapspec.model.kernels.row_attention as row_attention
 
 SHAPES = ((1, 1), (4, 1), (16, 1), (4, 4), (16, 4), (1, 64), (3, 7))
 

@@ -53,7 +53,7 @@ from knapspec.bench.specbench.questions import load_questions, packaged_question
 from knapspec.decoding.continuous import ContinuousBatch, RowUpdate
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.drafters import DraftRequest, LookupConfig, LookupDrafter
-from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.model.loading.provision import load_model_and_tokenizer
 from knapspec.planners.batch.policy import (
     BatchDraftPolicy,
     FixedLookupBatchPolicy,

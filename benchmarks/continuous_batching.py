@@ -32,7 +32,7 @@ import torch
 from knapspec.bench.env import environment, kernel_record
 from knapspec.bench.scenarios import default_scenarios
 from knapspec.decoding.decoder import SpeculativeDecoder
-from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.model.loading.provision import load_model_and_tokenizer
 from knapspec.planners import AutoregressivePlanner
 
 Rows = list[list[int]]

@@ -39,7 +39,7 @@ import torch
 from knapspec.bench.env import environment, kernel_record
 from knapspec.bench.prompts import passage
 from knapspec.decoding.decoder import SpeculativeDecoder
-from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.model.loading.provision import load_model_and_tokenizer
 
 SUMMARISE = "Summarise the following passage in a few sentences."
 FOLLOW_UP = "Now list three names or places that appear in it, one per line."

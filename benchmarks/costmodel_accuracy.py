@@ -48,7 +48,7 @@ from knapspec.costmodels import (
 )
 from knapspec.costmodels.profiler import fill_random_cache
 from knapspec.model.engine import SublayerEngine
-from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.model.loading.provision import load_model_and_tokenizer
 from knapspec.types import SublayerMask
 
 DEFAULT_THREADS = 2

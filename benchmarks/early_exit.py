@@ -19,7 +19,7 @@ import torch
 from knapspec import SpeculativeDecoder, StaticPlanner, SublayerMask
 from knapspec.bench.env import environment
 from knapspec.bench.prompts import copy_prompt, long_input_prompt
-from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.model.loading.provision import load_model_and_tokenizer
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import torch
 from knapspec.bench.env import environment, kernel_record
 from knapspec.bench.prompts import long_input_prompt
 from knapspec.decoding.decoder import SpeculativeDecoder
-from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.model.loading.provision import load_model_and_tokenizer
 from knapspec.planners import AutoregressivePlanner
 
 

@@ -41,9 +41,9 @@ from knapspec import SpeculativeDecoder, StaticPlanner, SublayerMask
 from knapspec.bench.env import environment, kernel_record
 from knapspec.bench.prompts import chat_prompt, long_input_prompt
 from knapspec.bench.specbench.questions import load_questions, packaged_questions
-from knapspec.model.dtypes import DTYPES
 from knapspec.model.engine import SublayerEngine
-from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.model.loading.dtypes import DTYPES
+from knapspec.model.loading.provision import load_model_and_tokenizer
 
 KNAPSPEC_METHODS = ("plain exact", "default exact", "plain inexact", "default inexact")
 GENERATE_METHODS = ("generate float32", "generate bfloat16")

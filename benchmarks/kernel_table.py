@@ -29,10 +29,10 @@ import torch
 
 from knapspec.bench.env import environment
 from knapspec.bench.prompts import long_input_prompt
-from knapspec.model.autotune import KernelKey, kernel_table_path, load_or_tune
 from knapspec.model.engine import SublayerEngine
+from knapspec.model.loading.provision import load_model_and_tokenizer
 from knapspec.model.machine import host_cpu_model
-from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.model.tuning.autotune import KernelKey, kernel_table_path, load_or_tune
 
 
 def main() -> None:

@@ -2,13 +2,13 @@
 
 ``--compare layer-ops`` (the default): an exact CPU engine runs each layer's RMSNorms and
 rotary as one compiled call each and writes a batch's K/V with one compiled copy per
-buffer (:mod:`knapspec.model.layer_ops`); off, the model's modules and PyTorch's indexed
+buffer (:mod:`knapspec.model.kernels.layer_ops`); off, the model's modules and PyTorch's indexed
 writes (``compiled_layer_ops=False``). ``--compare lean-pass``: exact batched passes run
-their layer items through :class:`~knapspec.model.exact_pass.ExactLayerPass` (the same
+their layer items through :class:`~knapspec.model.passes.exact_pass.ExactLayerPass` (the same
 kernels, per-pass work done once); off, the engine's general layer methods
-(``engine.lean_passes = False``). ``--compare layer-loop``: a lean pass that runs every
-sublayer runs its layer loop as one compiled call (:mod:`knapspec.model.layer_loop`); off,
-its items one by one from Python (``engine.compiled_loop = False``). This times plain
+(``engine.use_paths(lean_passes=False)``). ``--compare layer-loop``: a lean pass that runs every
+sublayer runs its layer loop as one compiled call (:mod:`knapspec.model.kernels.layer_loop`); off,
+its items one by one from Python (``engine.use_paths(compiled_loop=False)``). This times plain
 batched rounds (the autoregressive planner: every row one token a round) of Spec-Bench
 first turns on the real SmolLM2, both settings on one engine, interleaved in blocks (on,
 off, on, off, ...), and reports the median round per setting and rows; then one
@@ -28,12 +28,13 @@ p10, p90 round in ms over every timed round of its blocks) and a summary line pe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import random
 import re
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -51,25 +52,31 @@ from knapspec.bench.timing import (
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.model.cache import KVCache
 from knapspec.model.engine import SublayerEngine
+from knapspec.model.loading.provision import load_model_and_tokenizer
 from knapspec.model.machine import host_cpu_model
-from knapspec.model.provision import load_model_and_tokenizer
 from knapspec.planners import AutoregressivePlanner
 from knapspec.types import SublayerMask
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def _set(engine: SublayerEngine, compare: str, on: bool, built: tuple[bool, bool, bool]) -> None:
-    """Turn the compared option on (as the engine built it) or off."""
-    if compare == "lean-pass":
-        engine.lean_passes = on
-        return
-    if compare == "layer-loop":
-        engine.compiled_loop = on
+@contextlib.contextmanager
+def _setting(
+    engine: SublayerEngine, compare: str, on: bool, built: tuple[bool, bool, bool]
+) -> Iterator[None]:
+    """The compared option on (as the engine built it) or off, for the block."""
+    if compare in ("lean-pass", "layer-loop"):
+        field = "lean_passes" if compare == "lean-pass" else "compiled_loop"
+        with engine.use_paths(**{field: on}):
+            yield
         return
     engine.compiled_norms, engine.compiled_rotary, engine.compiled_writes = (
         built if on else (False, False, False)
     )
+    try:
+        yield
+    finally:
+        engine.compiled_norms, engine.compiled_rotary, engine.compiled_writes = built
 
 
 def _sequence_steps(
@@ -140,9 +147,8 @@ def main() -> None:
         timings: dict[bool, list[float]] = {True: [], False: []}
         for block in range(2 * args.blocks):
             on = block % 2 == 0
-            _set(engine, args.compare, on, built)
-            timings[on] += measure()
-        _set(engine, args.compare, True, built)
+            with _setting(engine, args.compare, on, built):
+                timings[on] += measure()
         medians = {}
         for on, seconds in timings.items():
             medians[on] = statistics.median(seconds) * 1e3

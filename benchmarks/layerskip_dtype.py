@@ -29,9 +29,9 @@ from knapspec.bench.oracle import OracleOptions, oracle_frontier
 from knapspec.bench.prompts import long_input_prompt
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.drafters.lookup import LookupDrafter
-from knapspec.model.dtypes import DTYPES
 from knapspec.model.engine import SublayerEngine
-from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.model.loading.dtypes import DTYPES
+from knapspec.model.loading.provision import load_model_and_tokenizer
 from knapspec.planners import AutoregressivePlanner
 
 

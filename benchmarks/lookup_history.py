@@ -28,7 +28,7 @@ import torch
 from knapspec import SpeculativeDecoder
 from knapspec.bench.env import environment
 from knapspec.bench.prompts import SUMMARISE, chat_prompt, passage
-from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.model.loading.provision import load_model_and_tokenizer
 
 SECOND_QUESTION = (
     "Which characters appear in the following passage? For each, quote the sentence where "

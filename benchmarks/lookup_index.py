@@ -21,7 +21,7 @@ from pathlib import Path
 from knapspec.bench.env import cpu_name
 from knapspec.bench.prompts import corpus
 from knapspec.drafters import DraftRequest, LookupDrafter
-from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.model.loading.provision import load_model_and_tokenizer
 
 CHECKPOINTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 

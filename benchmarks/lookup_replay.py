@@ -33,7 +33,7 @@ from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.drafters.acceptance import LookupAcceptance
 from knapspec.drafters.base import DraftRequest
 from knapspec.drafters.lookup import LookupDrafter
-from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.model.loading.provision import load_model_and_tokenizer
 from knapspec.planners import AutoregressivePlanner
 from knapspec.planners.objective import best_chained_length
 

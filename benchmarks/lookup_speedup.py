@@ -28,7 +28,7 @@ from knapspec.bench.env import environment
 from knapspec.bench.prompts import long_input_prompt
 from knapspec.bench.scenarios import SAMPLING
 from knapspec.decoding.decoder import SpeculativeDecoder
-from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.model.loading.provision import load_model_and_tokenizer
 from knapspec.planners import AutoregressivePlanner, LookupPlanner
 from knapspec.planners.lookup import LookupPlannerConfig
 from knapspec.sampling import SamplingParams

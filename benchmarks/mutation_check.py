@@ -176,7 +176,7 @@ MUTANTS = (
         "layer-loop-plan-ignores-new-kernels",
         "the compiled layer loop keeps the pointers it planned after the engine's kernels "
         "change (how a substituted mutant kernel went unrun on a Zen 3)",
-        "src/knapspec/model/layer_loop.py",
+        "src/knapspec/model/kernels/layer_loop.py",
         (
             (
                 "if engine.kernel_generation != self._generation:",

@@ -42,7 +42,7 @@ from knapspec.bench.env import environment
 from knapspec.bench.records import append_jsonl
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.drafters import LookupIndex
-from knapspec.model.provision import default_model_path, load_model_and_tokenizer
+from knapspec.model.loading.provision import default_model_path, load_model_and_tokenizer
 
 if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

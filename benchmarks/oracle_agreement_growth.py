@@ -27,7 +27,7 @@ from knapspec.bench.oracle import OracleOptions, oracle_frontier
 from knapspec.bench.prompts import copy_prompt, long_input_prompt
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.model.engine import SublayerEngine
-from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.model.loading.provision import load_model_and_tokenizer
 from knapspec.planners import AutoregressivePlanner
 
 PROMPTS = {"copy-heavy": copy_prompt, "long-input": long_input_prompt}

@@ -37,9 +37,9 @@ from knapspec.bench.specbench.questions import load_questions, packaged_question
 from knapspec.bench.timing import batched_round_seconds, spread_ms
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.model.engine import SublayerEngine
-from knapspec.model.kernels import PACKED_KERNEL, ROW_LINEAR_KERNEL, KernelTable
+from knapspec.model.kernels.table import PACKED_KERNEL, ROW_LINEAR_KERNEL, KernelTable
+from knapspec.model.loading.provision import load_model_and_tokenizer
 from knapspec.model.machine import host_cpu_model
-from knapspec.model.provision import load_model_and_tokenizer
 from knapspec.planners import AutoregressivePlanner
 
 

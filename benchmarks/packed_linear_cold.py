@@ -7,7 +7,7 @@ the builds interleaved round by round). Each build's outputs must equal the firs
     python benchmarks/packed_linear_cold.py OLD.c NEW.c   # csrc/row_linear.c versions
 
 Each source is compiled with the flags knapspec's own build uses (beside a copy of
-``csrc/bfloat16.h``); needs a CPU with AVX512-BF16.
+``csrc/*.h``); needs a CPU with AVX512-BF16.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from knapspec.model.compiled import BASE_FLAGS, compiler
-from knapspec.model.row_linear import amx_pack
+from knapspec.model.kernels.compiled import BASE_FLAGS, compiler
+from knapspec.model.kernels.row_linear import amx_pack
 
-CSRC = Path(__file__).resolve().parents[1] / "src" / "knapspec" / "model" / "csrc"
+CSRC = Path(__file__).resolve().parents[1] / "src" / "knapspec" / "model" / "kernels" / "csrc"
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gateup": (3072, 576), "down": (576, 1536)}
 HEAD = (49152, 576)
 
@@ -36,7 +36,8 @@ def build(source: Path, into: Path) -> ctypes._CFuncPtr:
     work = into / source.stem / str(abs(hash(source)))
     work.mkdir(parents=True)
     shutil.copy(source, work / "row_linear.c")
-    shutil.copy(CSRC / "bfloat16.h", work / "bfloat16.h")
+    for header in CSRC.glob("*.h"):  # bfloat16.h, amx_tiles.h: what row_linear.c includes
+        shutil.copy(header, work / header.name)
     target = work / "row_linear.so"
     cc = compiler() or "cc"
     flags = [*BASE_FLAGS, "-ffp-contract=off"]

@@ -1,5 +1,5 @@
 """A cold prefill through the framework's products, the row-invariant ones, and the engine's
-choice between them (:mod:`knapspec.model.prefill_kernels`), on the real model.
+choice between them (:mod:`knapspec.model.tuning.prefill`), on the real model.
 
 Per prompt (Spec-Bench first turns as chat, and novel passages of ``--lengths`` tokens to
 summarise), the three dispatches are interleaved round by round (the order rotating), each
@@ -29,7 +29,7 @@ from knapspec.bench.env import environment, kernel_record
 from knapspec.bench.prompts import chat_prompt, long_input_prompt
 from knapspec.bench.specbench.questions import load_questions, packaged_questions
 from knapspec.decoding.decoder import SpeculativeDecoder
-from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.model.loading.provision import load_model_and_tokenizer
 
 
 def _chat_prompts(tokenizer: Any, count: int) -> list[torch.Tensor]:

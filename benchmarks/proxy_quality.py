@@ -359,7 +359,7 @@ def main() -> None:
         return
     torch.set_num_threads(2)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from knapspec.model.provision import load_model_and_tokenizer
+    from knapspec.model.loading.provision import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(progress=False)
     engine = SublayerEngine(model)

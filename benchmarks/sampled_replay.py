@@ -43,7 +43,7 @@ import torch
 from knapspec import SamplingParams, SpeculativeDecoder, StaticPlanner, SublayerMask
 from knapspec.bench.env import environment
 from knapspec.bench.prompts import long_input_prompt
-from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.model.loading.provision import load_model_and_tokenizer
 
 if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -25,7 +25,7 @@ import torch
 from knapspec import SamplingParams, SpeculativeDecoder, StaticPlanner, SublayerMask
 from knapspec.bench.env import environment
 from knapspec.bench.prompts import long_input_prompt
-from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.model.loading.provision import load_model_and_tokenizer
 from knapspec.planners import LookupPlanner
 
 

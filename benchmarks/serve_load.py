@@ -379,8 +379,8 @@ def _free_port() -> int:
 
 def _auto_dtype(model: str) -> str:
     """What ``knapspec serve --dtype auto`` runs on this machine."""
-    from knapspec.model.dtypes import choose_dtype
-    from knapspec.model.provision import load_model_and_tokenizer
+    from knapspec.model.loading.dtypes import choose_dtype
+    from knapspec.model.loading.provision import load_model_and_tokenizer
 
     loaded = load_model_and_tokenizer(None if model == "default" else model, progress=False)[0]
     return choose_dtype("auto", loaded).name
@@ -447,7 +447,7 @@ def _llamacpp_server(args: argparse.Namespace, system: str) -> Iterator[Server]:
     import hashlib
     import tempfile
 
-    from knapspec.model.provision import default_gguf
+    from knapspec.model.loading.provision import default_gguf
 
     scratch = tempfile.TemporaryDirectory(prefix="serve_load-gguf-")
     if system == "llama-cpp-bf16":
@@ -483,7 +483,7 @@ def _llamacpp_server(args: argparse.Namespace, system: str) -> Iterator[Server]:
 
 
 def _provisioned_model() -> Path:
-    from knapspec.model.provision import DEFAULT_MODEL_NAME, cache_root
+    from knapspec.model.loading.provision import DEFAULT_MODEL_NAME, cache_root
 
     return Path(cache_root()) / "models" / DEFAULT_MODEL_NAME
 

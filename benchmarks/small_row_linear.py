@@ -2,7 +2,7 @@
 
 For each projection shape of the model (q/o, k/v, gate/up, down, LM head) and each row
 count ``1..8, 11, 16``, the median time of ``F.linear(x, W)`` and of
-:func:`knapspec.model.kernels.linear` (``(W @ x.T).T``, 1 and 3 rows padded to 2 and 4),
+:func:`knapspec.model.kernels.table.linear` (``(W @ x.T).T``, 1 and 3 rows padded to 2 and 4),
 interleaved in one process, 2 threads. Writes ``results/engine/small_row_linear.jsonl``.
 
     python benchmarks/small_row_linear.py [--repeats 30] [--threads 2]
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from knapspec.bench.env import cpu_name
 from knapspec.bench.timing import median_seconds
-from knapspec.model.kernels import linear
+from knapspec.model.kernels.table import linear
 
 #: (name, out_features, in_features) of SmolLM2-135M's projections.
 SHAPES = (

@@ -36,7 +36,7 @@ from knapspec import SpeculativeDecoder
 from knapspec.bench.env import environment
 from knapspec.bench.prompts import SUMMARISE, chat_prompt, passage
 from knapspec.bench.specbench.questions import load_questions, packaged_questions
-from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.model.loading.provision import load_model_and_tokenizer
 
 
 def main() -> None:

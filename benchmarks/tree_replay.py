@@ -46,7 +46,7 @@ from knapspec.bench.specbench.runner import chat_ids
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.drafters.base import LOOKUP, DraftRequest
 from knapspec.drafters.lookup import LookupConfig, LookupDrafter
-from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.model.loading.provision import load_model_and_tokenizer
 from knapspec.planners.lookup import MAX_TREE_NODES, LookupPricing
 from knapspec.types import Draft, DraftTree
 

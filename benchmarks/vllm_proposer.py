@@ -396,7 +396,7 @@ def main() -> None:
         return
 
     if args.model is None:
-        from knapspec.model.provision import default_model_path
+        from knapspec.model.loading.provision import default_model_path
 
         args.model = str(default_model_path())
     levels = {

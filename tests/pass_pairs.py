@@ -1,4 +1,5 @@
-"""One batched pass run twice, an engine switch on then off, for bitwise comparisons
+"""One batched pass run twice, one of the engine's paths on then off
+(:class:`~knapspec.model.passes.exact_pass.EnginePaths`), for bitwise comparisons
 (``test_exact_pass.py``: the lean pass against the general path; ``test_layer_loop.py``:
 the compiled layer loop against the lean items)."""
 
@@ -8,9 +9,9 @@ from collections.abc import Callable
 
 import torch
 
-from knapspec.model.batched import forward_batch, new_batch_cache
 from knapspec.model.cache import KVCache
 from knapspec.model.engine import ForwardOutput, SublayerEngine
+from knapspec.model.passes.batched import forward_batch, new_batch_cache
 from knapspec.types import SublayerMask
 
 VOCAB = 97
@@ -27,8 +28,8 @@ def batched_both_ways(
 ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
     """Logits and every layer's K/V buffers of one batched pass of ``inputs (rows, q)``
     (row ``r`` after a prompt of ``contexts[r]`` tokens, prefilled alone and loaded into
-    the batch cache), with the engine's boolean attribute ``switch`` True, then False (it
-    is True again afterwards)."""
+    the batch cache), with the engine's path ``switch`` (an ``EnginePaths`` field) on, then
+    off (as the engine had it afterwards)."""
     logits, buffers = [], []
     for on in (True, False):
         cache = new_batch_cache(engine, len(contexts), 48)
@@ -38,11 +39,8 @@ def batched_both_ways(
             prompt = torch.randint(0, VOCAB, (context,), generator=generator)
             engine.forward(prompt, 0, single, all_logits=False)
             cache.load_row(row, single, context)
-        setattr(engine, switch, on)
-        try:
+        with engine.use_paths(**{switch: on}):
             logits.append(forward_batch(engine, inputs, contexts, cache, widths=widths, mask=mask))
-        finally:
-            setattr(engine, switch, True)
         buffers.append([b for layer in range(engine.num_layers) for b in cache.buffers(layer)])
     return logits, buffers
 
@@ -61,18 +59,15 @@ def sequence_both_ways(
     step: Callable[[KVCache], ForwardOutput],
 ) -> tuple[list[ForwardOutput], list[KVCache]]:
     """``prompt`` prefilled into a fresh cache, then ``step(cache)`` (a decode step, a
-    verification, a token tree), with the engine's boolean attribute ``switch`` True, then
-    False (True again afterwards): both outputs and both caches."""
+    verification, a token tree), with the engine's path ``switch`` (an ``EnginePaths``
+    field) on, then off (as the engine had it afterwards): both outputs and both caches."""
     outputs, caches = [], []
-    try:
-        for on in (True, False):
-            setattr(engine, switch, on)
+    for on in (True, False):
+        with engine.use_paths(**{switch: on}):
             cache = engine.new_cache(16)  # grows during the step: a lean pass reserves
             engine.forward(prompt, 0, cache, all_logits=False)
             outputs.append(step(cache))
             caches.append(cache)
-    finally:
-        setattr(engine, switch, True)
     return outputs, caches
 
 

@@ -19,15 +19,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from knapspec.model import row_attention
 from knapspec.model.engine import SublayerEngine
-from knapspec.model.machine import AMX_TILE_FLAGS, AVX512_BF16_FLAGS, claimed_absent
-from knapspec.model.row_attention import (
+from knapspec.model.kernels import row_attention
+from knapspec.model.kernels.row_attention import (
     attend_rows,
     attend_rows_batched,
     attend_tree_rows,
     attention_path,
 )
+from knapspec.model.machine import AMX_TILE_FLAGS, AVX512_BF16_FLAGS, claimed_absent
 from knapspec.testing.exactness import verification_mismatches
 from knapspec.testing.models import tiny_model
 from units import skip_unless_attention_unit

@@ -14,7 +14,10 @@ import pytest
 import torch
 from tests.tiny_models import tiny_model
 
-from knapspec.model.autotune import (
+from knapspec.model.engine import SublayerEngine
+from knapspec.model.kernels.onednn import onednn_available, packed_count, release_packed
+from knapspec.model.kernels.table import KERNELS, SMALL_ROWS, KernelTable
+from knapspec.model.tuning.autotune import (
     KERNELS_ENV,
     KernelKey,
     LinearRole,
@@ -27,9 +30,6 @@ from knapspec.model.autotune import (
     resolve_kernel_table,
     tune_kernel_table,
 )
-from knapspec.model.engine import SublayerEngine
-from knapspec.model.kernels import KERNELS, SMALL_ROWS, KernelTable
-from knapspec.model.onednn import onednn_available, packed_count, release_packed
 
 Q, K, GATE = (64, 64), (32, 64), (128, 64)
 
@@ -160,7 +160,7 @@ def test_a_table_running_the_compiled_kernel_names_its_build(
 ) -> None:
     """A profile timed with one build of row_linear.c, or of the layer operations beside
     it, is not reused with another."""
-    from knapspec.model import kernels
+    from knapspec.model.kernels import table as kernels
 
     table = KernelTable(max_rows=1, choices={Q: ("row-linear",)}, large={Q: "row-linear"})
     plain_kernels = KernelTable(max_rows=1, choices={Q: ("transposed",)})
@@ -223,11 +223,10 @@ def test_non_cpu_devices_and_other_dtypes_get_the_framework_products() -> None:
 
 
 def test_the_switches_force_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without the exactness contract the switches force the framework's products; with it
-    (the default) the forced table is then made row-invariant, F.linear kept wherever it
-    passes the probe here."""
+    """Without the exactness contract the switches (``kernels="f.linear"``,
+    ``$KNAPSPEC_KERNELS``) force the framework's products; with it (the default) the forced
+    table is then made row-invariant, F.linear kept wherever it passes the probe here."""
     model = tiny_model("qwen3", seed=2)
-    assert SublayerEngine(model, small_row_linear=False, exact=False).kernels.is_plain
     assert SublayerEngine(model, kernels="f.linear", exact=False).kernels.is_plain
     exact = SublayerEngine(model, kernels="f.linear")
     assert exact.invariance is not None
@@ -331,7 +330,7 @@ def test_any_table_gives_the_same_logits_to_rounding(family: str) -> None:
 def test_greedy_real_text_is_the_same_whichever_kernels_run() -> None:
     from knapspec import SpeculativeDecoder, StaticPlanner, SublayerMask
     from knapspec.bench.prompts import long_input_prompt
-    from knapspec.model.provision import load_model_and_tokenizer
+    from knapspec.model.loading.provision import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(progress=False)
     eos = model.generation_config.eos_token_id

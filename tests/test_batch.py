@@ -27,8 +27,8 @@ from knapspec.decoding.run import GenerationResult
 from knapspec.decoding.verify import Verdict
 from knapspec.drafters.base import LOOKUP, Draft
 from knapspec.model.batch_cache import BatchKVCache
-from knapspec.model.batched import AttentionLayout, splits_attention
 from knapspec.model.engine import ContextLengthError
+from knapspec.model.passes.batched import AttentionLayout, splits_attention
 from knapspec.planners import LookupPlanner
 from knapspec.planners.batch.policy import (
     BatchPassCalibration,
@@ -453,7 +453,7 @@ def test_packed_products_give_the_padded_pass_at_every_real_token(
     one padded call or split (first tokens batched, later queries row by row), gives the
     same logits and the same K/V at every real position as the padded pass over
     ``rows × max(widths)`` tokens."""
-    from knapspec.model.batched import forward_batch, new_batch_cache
+    from knapspec.model.passes.batched import forward_batch, new_batch_cache
 
     engine = _decoder().engine
     generator = torch.Generator().manual_seed(seed)

@@ -9,7 +9,7 @@ import torch
 
 from knapspec import FixedLookupBatchPolicy, LookupPlanner, SpeculativeDecoder
 from knapspec.bench.prompts import copy_prompt, long_input_prompt
-from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.model.loading.provision import load_model_and_tokenizer
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 

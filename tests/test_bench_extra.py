@@ -22,7 +22,7 @@ CORE_IMPORTS = """
 import sys
 import knapspec
 from knapspec import SpeculativeDecoder, DecoderConfig, load_model_and_tokenizer
-import knapspec.cli, knapspec.cli.parser, knapspec.integrations.hf, knapspec.model.loading
+import knapspec.cli, knapspec.cli.parser, knapspec.integrations.hf, knapspec.model.loading.by_name
 import knapspec.decoding.continuous, knapspec.planners.batch
 knapspec.cli.parser.build_parser()
 print(sorted(name for name in sys.modules if name.split('.')[0] == 'matplotlib'))

@@ -38,7 +38,7 @@ tiny = test_bench.tiny  # the tiny random Llama and word-level tokenizer fixture
 def smollm2_tokenizer() -> Any:
     from transformers import AutoTokenizer
 
-    from knapspec.model.provision import default_model_path
+    from knapspec.model.loading.provision import default_model_path
 
     return AutoTokenizer.from_pretrained(default_model_path(progress=False))
 

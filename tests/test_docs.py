@@ -14,7 +14,7 @@ Code-block convention for README.md and docs/*.md (write new docs this way):
 
 The real model is replaced by a tiny random Llama with SmolLM2's depth (30 layers, hidden
 32) and an offline word-level tokenizer with a chat template: ``load_model_and_tokenizer``
-is patched in ``knapspec`` and ``knapspec.model.provision``, ``KNAPSPEC_CACHE`` points at a
+is patched in ``knapspec`` and ``knapspec.model.loading.provision``, ``KNAPSPEC_CACHE`` points at a
 temporary directory (profiles of the tiny model land there), and each file runs in a
 temporary working directory holding a copy of ``examples/``. Components a document
 registers are unregistered afterwards.
@@ -187,7 +187,7 @@ def offline_world(
 ) -> Iterator[tuple[Any, Any]]:
     """Patch the model loader, isolate the cache and the working directory, and undo any
     registration a document makes."""
-    import knapspec.model.provision as provision
+    import knapspec.model.loading.provision as provision
 
     model, tokenizer = tiny
 

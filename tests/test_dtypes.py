@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from knapspec.model import dtypes
-from knapspec.model.dtypes import bf16_units, choose_dtype, parse_dtype
 from knapspec.model.engine import SublayerEngine
+from knapspec.model.loading import dtypes
+from knapspec.model.loading.dtypes import bf16_units, choose_dtype, parse_dtype
 from knapspec.testing.models import tiny_model
 
 
@@ -105,7 +105,7 @@ def test_auto_falls_back_to_float32_when_the_context_is_too_short_to_time(
     monkeypatch.setenv("KNAPSPEC_CACHE", str(tmp_path))
     model = tiny_model("llama")
     model.config.max_position_embeddings = 20
-    with caplog.at_level("INFO", logger="knapspec.model.dtypes"):
+    with caplog.at_level("INFO", logger="knapspec.model.loading.dtypes"):
         choice = choose_dtype("auto", model, flags=AMX_FLAGS)
     assert choice.dtype == torch.float32
     assert "context (20 tokens) is too short" in choice.reason

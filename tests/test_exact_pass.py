@@ -1,4 +1,4 @@
-"""The lean exact pass (:mod:`knapspec.model.exact_pass`) against the general layer loop.
+"""The lean exact pass (:mod:`knapspec.model.passes.exact_pass`) against the general layer loop.
 
 The lean pass only reorganises the Python around the kernels (per-pass work done once),
 so every logit and every K/V entry must be bitwise what the general path writes, on every
@@ -19,11 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from knapspec import testing
-from knapspec.model import exact_pass
 from knapspec.model.batch_cache import BatchKVCache
-from knapspec.model.batched import forward_batch, new_batch_cache
 from knapspec.model.engine import SublayerEngine
-from knapspec.model.kernels import FUSION_GROUPS
+from knapspec.model.kernels.table import FUSION_GROUPS
+from knapspec.model.passes import exact_pass
+from knapspec.model.passes.batched import forward_batch, new_batch_cache
+from knapspec.model.passes.exact_pass import EnginePaths
 from knapspec.types import SublayerMask
 from pass_pairs import (
     VOCAB,
@@ -41,9 +42,7 @@ def _engine(family: str = "llama", dtype: torch.dtype = torch.float32) -> Sublay
     lean passes running their items one by one (the compiled layer loop, which replaces
     them where it serves, is compared with them in ``test_layer_loop.py``)."""
     model = tiny_model(family, 3) if dtype == torch.float32 else _bf16_model(family)
-    engine = _fusing(SublayerEngine(model, progress=False))
-    engine.compiled_loop = False
-    return engine
+    return _fusing(SublayerEngine(model, progress=False, paths=EnginePaths(compiled_loop=False)))
 
 
 def _fusing(engine: SublayerEngine) -> SublayerEngine:
@@ -160,8 +159,7 @@ def test_a_layer_whose_weights_were_replaced_takes_the_general_path() -> None:
     projections no longer alias the fused matrix, the lean pass hands the layer back, and
     the pass still equals the general one (which runs the replaced weights)."""
     model = testing.tiny_model("llama", 3, 0)
-    engine = _fusing(SublayerEngine(model, progress=False))
-    engine.compiled_loop = False
+    engine = _fusing(SublayerEngine(model, progress=False, paths=EnginePaths(compiled_loop=False)))
     attention = engine.layers[1].self_attn
     attention.k_proj.weight = torch.nn.Parameter(attention.k_proj.weight.detach().clone() * 2)
     mlp = engine.layers[2].mlp

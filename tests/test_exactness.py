@@ -15,10 +15,10 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from knapspec.model.engine import SublayerEngine
-from knapspec.model.exact_pass import ExactLayerPass
-from knapspec.model.invariance import is_row_invariant, row_invariant_table
-from knapspec.model.kernels import KERNELS, Kernel, KernelTable, blocked
-from knapspec.model.row_attention import attend_rows, kernel_available
+from knapspec.model.kernels.row_attention import attend_rows, kernel_available
+from knapspec.model.kernels.table import KERNELS, Kernel, KernelTable, blocked
+from knapspec.model.passes.exact_pass import ExactLayerPass
+from knapspec.model.tuning.invariance import is_row_invariant, row_invariant_table
 from knapspec.testing.exactness import (
     RowCountingKernel,
     batch_mismatches,
@@ -130,7 +130,7 @@ def test_a_row_count_dependent_engine_fails_the_contract(family: str) -> None:
     assert verification_mismatches(engine, _tokens(30, 1), _tokens(11, 2))
 
 
-#: The engine's paths a verification can take, and how to choose each.
+#: The engine's paths a verification can take, and how to choose each (``EnginePaths``).
 PATHS = {
     "layer-loop": {},
     "lean-items": {"compiled_loop": False},
@@ -194,13 +194,12 @@ def test_a_mutant_kernel_in_an_exact_engine_is_caught(
     same kernel without the drift) runs there too and passes, so the drift alone is what
     the check caught."""
     engine = _engine("llama", torch.float32)
-    for name, value in PATHS[path].items():
-        monkeypatch.setattr(engine, name, value)
-    assert _verify(check, engine) == []  # every plan made before the kernel changes
-    spy = _PathSpy(monkeypatch)
-    kernel = RowCountingKernel(MUTANT_DRIFT if mutant else 0.0, base=KERNELS["rowwise"])
-    with engine.substituted_products(kernel, [(64, 64)]):
-        problems = _verify(check, engine)
+    with engine.use_paths(**PATHS[path]):
+        assert _verify(check, engine) == []  # every plan made before the kernel changes
+        spy = _PathSpy(monkeypatch)
+        kernel = RowCountingKernel(MUTANT_DRIFT if mutant else 0.0, base=KERNELS["rowwise"])
+        with engine.substituted_products(kernel, [(64, 64)]):
+            problems = _verify(check, engine)
     assert kernel.multi_row_calls > 0, "the kernel never ran over several rows"
     assert spy.took(path), f"the check did not run the {path} path"
     assert bool(problems) == mutant, problems
@@ -299,7 +298,7 @@ def test_the_invariance_report_says_what_runs() -> None:
 def test_the_fallback_attention_is_exact_too(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a compiler the engine attends one query at a time, which is a one-token
     step per row: still exact."""
-    from knapspec.model import row_attention
+    from knapspec.model.kernels import row_attention
 
     monkeypatch.setattr(row_attention, "load_library", lambda: None)
     generator = torch.Generator().manual_seed(0)
@@ -350,8 +349,8 @@ def test_the_attention_kernel_is_row_invariant_and_correct(
 def test_probe_verdicts_are_cached_and_a_bad_cache_file_is_probed_again(
     tmp_path: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from knapspec.model import invariance
     from knapspec.model.cachefiles import CacheWarning
+    from knapspec.model.tuning import invariance
 
     monkeypatch.setenv("KNAPSPEC_CACHE", str(tmp_path))
     engine = _engine("llama", torch.float32)
@@ -410,7 +409,17 @@ def test_only_a_cold_prefill_runs_the_measured_kernels_for_many_rows() -> None:
     calls.clear()
     engine.forward(_tokens(30, 2), 40, cache)  # a 30-row verification past the prompt
     assert calls == []
-    assert not engine._cold_prefill
+
+    def failing(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise RuntimeError("injected")
+
+    spies = engine._prefill_large
+    engine._prefill_large = dict.fromkeys(spies, failing)
+    with pytest.raises(RuntimeError, match="injected"):  # a cold prefill that fails midway
+        engine.forward(_tokens(40, 4), 0, engine.new_cache(64))
+    engine._prefill_large = spies
+    engine.forward(_tokens(20, 5), 70, cache)  # leaves nothing behind for the next call
+    assert calls == []
     if engine.enable_chunk_invariance():
         engine.forward(_tokens(40, 3), 0, engine.new_cache(64))
         assert calls == []

@@ -22,8 +22,8 @@ from knapspec import (
     SublayerMask,
 )
 from knapspec.bench.prompts import long_input_prompt
-from knapspec.model.dtypes import bf16_units
-from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.model.loading.dtypes import bf16_units
+from knapspec.model.loading.provision import load_model_and_tokenizer
 from knapspec.testing import CheapDraftCostModel
 from test_lossless_drafting import FORCING
 

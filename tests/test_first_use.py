@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from knapspec.costmodels.profiler import profile_engine
-from knapspec.model import invariance
-from knapspec.model.autotune import validate_table
 from knapspec.model.engine import SublayerEngine
-from knapspec.model.kernel_checks import _check_order
-from knapspec.model.kernel_timing import STREAM_BYTES, LinearRole, linear_roles, streamed_subset
-from knapspec.model.kernels import ROWWISE_KERNEL, KernelTable
-from knapspec.model.prefill_kernels import PREFILL_BUDGET, timed_lengths
+from knapspec.model.kernels.table import ROWWISE_KERNEL, KernelTable
+from knapspec.model.tuning import invariance
+from knapspec.model.tuning.autotune import validate_table
+from knapspec.model.tuning.checks import _check_order
+from knapspec.model.tuning.prefill import PREFILL_BUDGET, timed_lengths
+from knapspec.model.tuning.timing import STREAM_BYTES, LinearRole, linear_roles, streamed_subset
 from knapspec.testing.models import tiny_model
 from knapspec.testing.shapes import random_model
 

@@ -12,7 +12,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from knapspec.model.engine import SublayerEngine
-from knapspec.model.fusion import fuse_linears
+from knapspec.model.kernels.fusion import fuse_linears
 
 
 def _fresh(family: str) -> nn.Module:
@@ -126,7 +126,7 @@ def test_an_exact_bf16_engine_fuses_where_its_kernel_computes_each_output_alone(
     or packed-linear kernel makes each output a function of its weight row alone, so the
     projections fuse (one call a group) and every logit stays bitwise the unfused
     engine's."""
-    from knapspec.model.row_linear import available
+    from knapspec.model.kernels.row_linear import available
 
     if not available(torch.bfloat16):
         pytest.skip("no compiled row-linear kernel here (no C compiler)")

@@ -17,10 +17,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knapspec.model import exact_pass, layer_loop, sliding_window
-from knapspec.model.batched import forward_batch, new_batch_cache
 from knapspec.model.engine import SublayerEngine, UnsupportedModelError
-from knapspec.model.row_attention import attend_rows
+from knapspec.model.kernels import layer_loop
+from knapspec.model.kernels.row_attention import attend_rows
+from knapspec.model.passes import exact_pass, sliding_window
+from knapspec.model.passes.batched import forward_batch, new_batch_cache
 from knapspec.testing.exactness import batch_mismatches, verification_mismatches
 from knapspec.testing.models import tiny_model
 from knapspec.types import SublayerMask
@@ -369,7 +370,7 @@ def test_the_real_gemma_equals_transformers_and_keeps_the_contract_past_its_wind
     past the window against one-token steps."""
     from importlib.resources import files
 
-    from knapspec.model.provision import load_model_and_tokenizer
+    from knapspec.model.loading.provision import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer("gemma-3-270m", progress=False)
     text = (files("knapspec") / "data" / "pride_and_prejudice_chapter3.txt").read_text()

@@ -221,3 +221,52 @@ def test_every_top_level_module_has_a_layer() -> None:
 def test_no_import_runs_up_the_layers() -> None:
     found = upward_imports(import_graph(), LAYERS)
     assert not found, "imports that run up (or sideways) the layer order: " + "; ".join(found)
+
+
+#: ``knapspec.model``'s wings. ``kernels`` is their floor: it imports only the modules the
+#: wings share; the others may import ``kernels``, the engine and its caches, never each
+#: other (a newcomer changing how a model loads never meets the tuner, and so on).
+MODEL_WINGS = ("kernels", "tuning", "passes", "loading")
+MODEL_SHARED = ("knapspec.model.machine", "knapspec.model.cachefiles")
+
+
+def wing_crossings(graph: dict[str, set[str]]) -> list[str]:
+    """``importer -> imported`` for every import between ``knapspec.model``'s wings that
+    :data:`MODEL_WINGS` does not allow."""
+
+    def wing(module: str) -> str | None:
+        parts = module.split(".")
+        return (
+            parts[2]
+            if len(parts) > 2 and parts[:2] == ["knapspec", "model"] and parts[2] in MODEL_WINGS
+            else None
+        )
+
+    found = []
+    for module, targets in sorted(graph.items()):
+        here = wing(module)
+        if here is None:
+            continue
+        for target in sorted(t for t in targets if t.startswith("knapspec.model")):
+            there = wing(target)
+            if there == here:
+                continue
+            floor_leaves = here == "kernels" and target not in MODEL_SHARED
+            sideways = there is not None and there != "kernels"
+            if floor_leaves or sideways:
+                found.append(f"{module} -> {target}")
+    return found
+
+
+def test_the_model_wings_import_only_the_kernels_and_what_they_share() -> None:
+    graph = {
+        "knapspec.model.kernels.a": {"knapspec.model.machine", "knapspec.model.cache"},
+        "knapspec.model.tuning.b": {"knapspec.model.kernels.a", "knapspec.model.passes.c"},
+        "knapspec.model.passes.c": {"knapspec.model.engine", "knapspec.model.kernels.a"},
+    }
+    assert wing_crossings(graph) == [
+        "knapspec.model.kernels.a -> knapspec.model.cache",
+        "knapspec.model.tuning.b -> knapspec.model.passes.c",
+    ]
+    found = wing_crossings(import_graph())
+    assert not found, "imports between the model's wings: " + "; ".join(found)

@@ -12,14 +12,14 @@ from hypothesis import strategies as st
 from tests.tiny_models import tiny_model
 
 from knapspec.model.engine import SublayerEngine
-from knapspec.model.kernels import Kernel, linear, padded_rows
-from knapspec.model.onednn import (
+from knapspec.model.kernels.onednn import (
     onednn_available,
     onednn_packed,
     packed_count,
     packing_fits,
     release_packed,
 )
+from knapspec.model.kernels.table import Kernel, linear, padded_rows
 from knapspec.testing import examples
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="no oneDNN in this build")
@@ -39,7 +39,7 @@ def test_other_dtypes_fall_back_to_f_linear() -> None:
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_engine_with_and_without_the_kernel_agree(family: str) -> None:
     model = tiny_model(family, seed=3)
-    fast, plain = SublayerEngine(model), SublayerEngine(model, small_row_linear=False)
+    fast, plain = SublayerEngine(model), SublayerEngine(model, kernels="f.linear")
     ids = torch.randint(0, fast.vocab_size, (12,), generator=torch.Generator().manual_seed(1))
     for width in (1, 3, 8):
         outs = []

@@ -1,4 +1,4 @@
-"""The compiled layer loop (:mod:`knapspec.model.layer_loop`) against the lean items it
+"""The compiled layer loop (:mod:`knapspec.model.kernels.layer_loop`) against the lean items it
 replaces.
 
 The loop calls the same kernels with the same arguments as the lean pass's items and does
@@ -24,9 +24,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from knapspec import testing
-from knapspec.model import layer_loop, row_linear
 from knapspec.model.engine import SublayerEngine
-from knapspec.model.kernels import (
+from knapspec.model.kernels import layer_loop, row_linear
+from knapspec.model.kernels.table import (
     AMX_KERNEL,
     FUSION_GROUPS,
     PACKED_KERNEL,
@@ -347,9 +347,9 @@ def test_a_pass_that_fails_in_the_loop_raises_and_the_engine_goes_on(
             engine.forward(torch.tensor([4]), 3, cache)
     assert cache.lengths == [3] * engine.num_layers
     on = engine.forward(torch.tensor([4]), 3, cache).logits
-    engine.compiled_loop = False
     cache.crop(3)
-    off = engine.forward(torch.tensor([4]), 3, cache).logits
+    with engine.use_paths(compiled_loop=False):
+        off = engine.forward(torch.tensor([4]), 3, cache).logits
     assert torch.equal(on, off)
 
 

@@ -1,4 +1,4 @@
-"""The compiled layer operations (:mod:`knapspec.model.layer_ops`): rotary and the K/V copy
+"""The compiled layer operations (:mod:`knapspec.model.kernels.layer_ops`): rotary and the K/V copy
 bitwise PyTorch's, RMSNorm within an ulp of the model's and row-invariant, each refusing a
 layout or a module it does not compute; an exact engine uses them on every path, keeps the
 exactness contract, and keeps PyTorch's operations where they cannot be built."""
@@ -14,9 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from knapspec.model import layer_ops
 from knapspec.model.engine import SublayerEngine
-from knapspec.model.layer_ops import (
+from knapspec.model.kernels import layer_ops
+from knapspec.model.kernels.layer_ops import (
     available,
     rms_norm,
     rotary_,
@@ -258,7 +258,7 @@ def test_without_a_compiler_the_engine_keeps_pytorchs_operations(
 def test_the_option_turns_them_all_off_and_batch_caches_write_alike() -> None:
     """``compiled_layer_ops=False`` runs the model's modules and PyTorch's writes (the A/B
     baseline); a batched pass writes bitwise the same K/V through either write."""
-    from knapspec.model.batched import forward_batch, new_batch_cache
+    from knapspec.model.passes.batched import forward_batch, new_batch_cache
 
     model = tiny_model("llama")
     off = SublayerEngine(model, progress=False, compiled_layer_ops=False)
@@ -278,6 +278,29 @@ def test_the_option_turns_them_all_off_and_batch_caches_write_alike() -> None:
     assert caches[0].keys(0, 3).abs().sum() > 0
 
 
+def test_the_amx_tile_set_up_is_one_header_both_tile_kernels_include(tmp_path: Path) -> None:
+    """The AMX set-up (asking the OS for the tiles, loading the tile configuration) is
+    written once, in ``csrc/amx_tiles.h``; the linear and the attention kernels include it,
+    and editing it rebuilds both (their cache keys hash every header beside the source)."""
+    import shutil
+
+    from knapspec.model.kernels.compiled import CSRC, CompiledLibrary
+
+    set_up = ("ARCH_REQ_XCOMP_PERM 0x", "_tile_loadconfig(")
+    writers = sorted(p.name for p in CSRC.iterdir() if any(s in p.read_text() for s in set_up))
+    assert writers == ["amx_tiles.h"]
+    for path in CSRC.iterdir():
+        shutil.copy(path, tmp_path / path.name)
+    header = tmp_path / "amx_tiles.h"
+    for source in ("row_linear.c", "row_attention.c"):
+        assert '#include "amx_tiles.h"' in (CSRC / source).read_text()
+        library = CompiledLibrary(source, "test", "test", lambda _: None)
+        library.source = tmp_path / source
+        before = library.path()
+        header.write_text(header.read_text() + f"\n/* edited for {source} */\n")
+        assert library.path() != before
+
+
 def test_a_kernels_cache_key_covers_the_shared_header_and_the_wheel_ships_both(
     tmp_path: Path,
 ) -> None:
@@ -288,7 +311,7 @@ def test_a_kernels_cache_key_covers_the_shared_header_and_the_wheel_ships_both(
     import shutil
     import tomllib
 
-    from knapspec.model.compiled import CSRC, CompiledLibrary
+    from knapspec.model.kernels.compiled import CSRC, CompiledLibrary
 
     for path in CSRC.iterdir():
         shutil.copy(path, tmp_path / path.name)
@@ -298,9 +321,9 @@ def test_a_kernels_cache_key_covers_the_shared_header_and_the_wheel_ships_both(
     header = tmp_path / "bfloat16.h"
     header.write_text(header.read_text() + "\n/* edited */\n")
     assert library.path() != before
-    pyproject = tomllib.loads((CSRC.parents[3] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((CSRC.parents[4] / "pyproject.toml").read_text())
     patterns = pyproject["tool"]["setuptools"]["package-data"]["knapspec"]
-    shipped = [f"model/csrc/{path.name}" for path in CSRC.iterdir()]
+    shipped = [f"model/kernels/csrc/{path.name}" for path in CSRC.iterdir()]
     assert {".c", ".h"} <= {Path(name).suffix for name in shipped}
     for name in shipped:
         assert any(fnmatch.fnmatch(name, pattern) for pattern in patterns), name

@@ -53,7 +53,7 @@ def test_every_long_module_says_why() -> None:
 
 
 # TODO(issue 66): model/ is being restructured on another branch; its one formatter switch
-# (model/probe.py, a call kept on two lines) goes with it, and then this entry goes.
+# (model/tuning/probe.py, a call kept on two lines) goes with it, and then this entry goes.
 FORMATTER_SWITCH_TODO: tuple[str, ...] = ("model/",)
 
 

@@ -1,5 +1,5 @@
 """A cold prefill's many-row kernels: the faster of the measured and the row-invariant ones,
-timed per prompt length (:mod:`knapspec.model.prefill_kernels`)."""
+timed per prompt length (:mod:`knapspec.model.tuning.prefill`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from knapspec.model.cachefiles import CacheWarning
 from knapspec.model.engine import SublayerEngine
-from knapspec.model.kernels import KERNELS, PLAIN_KERNEL, Kernel, KernelTable, Shape
-from knapspec.model.prefill_kernels import (
+from knapspec.model.kernels.table import KERNELS, PLAIN_KERNEL, Kernel, KernelTable, Shape
+from knapspec.model.tuning.prefill import (
     CANDIDATES,
     RowSwitch,
     describe,
@@ -203,9 +203,10 @@ def test_an_exact_engine_prefills_through_the_chosen_kernels_and_keeps_its_answe
     kernels."""
     model = tiny_model("llama").to(torch.bfloat16)
     engine = SublayerEngine(model)
-    seconds = engine._time_cold_prefill(engine._prefill_large, 40)
+    own = engine._prefill_large
+    seconds = engine._time_cold_prefill(own, 40)
     assert seconds > 0
-    assert not engine._cold_prefill  # the timer leaves the engine as it was
+    assert engine._prefill_large is own  # the timer leaves the engine as it was
     tokens = torch.randint(0, engine.vocab_size, (40,), generator=torch.Generator().manual_seed(1))
     first = engine.forward(tokens, 0, engine.new_cache(64), all_logits=False).logits
     again = engine.forward(tokens, 0, engine.new_cache(64), all_logits=False).logits

@@ -1,4 +1,4 @@
-"""Tests for knapspec.model.provision.
+"""Tests for knapspec.model.loading.provision.
 
 All tests except the one marked ``real_model`` are fast and offline: the slow provisioning step
 (``build_default_model``) and pip are replaced by tiny fakes.
@@ -23,8 +23,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from knapspec.model import gemma_source, provision, sources
-from knapspec.model.provision import (
+from knapspec.model.loading import gemma_source, provision, sources
+from knapspec.model.loading.provision import (
     DEFAULT_MODEL_NAME,
     PROVENANCE_FILENAME,
     ProvisioningError,

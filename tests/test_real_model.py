@@ -16,7 +16,7 @@ import torch
 
 from knapspec import PLANNERS, SpeculativeDecoder, StaticPlanner, SublayerMask
 from knapspec.bench.prompts import corpus, long_input_prompt
-from knapspec.model.provision import load_model_and_tokenizer
+from knapspec.model.loading.provision import load_model_and_tokenizer
 from knapspec.testing import CheapDraftCostModel
 
 # Two of these tests, greedy lossless on the real model with layer-skip and with lookup

@@ -13,12 +13,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from knapspec.model import row_linear as row_linear_module
-from knapspec.model.compiled import CompiledLibrary
 from knapspec.model.engine import SublayerEngine
-from knapspec.model.invariance import first_violation, row_invariant_table
-from knapspec.model.kernels import AMX_KERNEL, KERNELS, PACKED_KERNEL, ROW_LINEAR_KERNEL, Kernel
-from knapspec.model.row_linear import (
+from knapspec.model.kernels import row_linear as row_linear_module
+from knapspec.model.kernels.compiled import CompiledLibrary
+from knapspec.model.kernels.row_linear import (
     amx_available,
     amx_linear,
     amx_pack,
@@ -28,6 +26,14 @@ from knapspec.model.row_linear import (
     packed_linear,
     row_linear,
 )
+from knapspec.model.kernels.table import (
+    AMX_KERNEL,
+    KERNELS,
+    PACKED_KERNEL,
+    ROW_LINEAR_KERNEL,
+    Kernel,
+)
+from knapspec.model.tuning.invariance import first_violation, row_invariant_table
 from knapspec.testing.exactness import RowCountingKernel, verification_mismatches
 from knapspec.testing.models import tiny_model
 from units import needs_amx_tiles, needs_avx512_bf16
@@ -218,7 +224,7 @@ def test_attention_over_a_batch_in_one_call_is_each_sequence_alone(
 ) -> None:
     """``attend_rows_batched`` (one kernel call for every sequence of a batch, each with its
     own keys) gives each sequence bitwise what ``attend_rows`` gives it alone."""
-    from knapspec.model.row_attention import attend_rows, attend_rows_batched
+    from knapspec.model.kernels.row_attention import attend_rows, attend_rows_batched
 
     generator = torch.Generator().manual_seed(seed)
     heads, kv_heads, head_dim, capacity = 6, 2, 16, 40

@@ -82,7 +82,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny(model_dir: Path) -> tuple[Any, Any]:
-    from knapspec.model.provision import load_model_and_tokenizer
+    from knapspec.model.loading.provision import load_model_and_tokenizer
 
     return load_model_and_tokenizer(str(model_dir), progress=False)
 
@@ -434,7 +434,7 @@ def test_a_lossy_decoder_stops_the_run(
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_real_model_one_question_per_category(tmp_path: Path) -> None:
-    from knapspec.model.provision import load_model_and_tokenizer
+    from knapspec.model.loading.provision import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(progress=False)
     methods = ["generate", "ar", "knapspec", "hf-prompt-lookup"]

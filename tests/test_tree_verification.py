@@ -13,11 +13,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from knapspec.model import row_attention
 from knapspec.model.cache import KVCache
 from knapspec.model.engine import SublayerEngine
-from knapspec.model.row_attention import attend_rows, attend_tree_rows
-from knapspec.model.tree import tree_layout
+from knapspec.model.kernels import row_attention
+from knapspec.model.kernels.row_attention import attend_rows, attend_tree_rows
+from knapspec.model.passes.tree import tree_layout
 from knapspec.testing.exactness import tree_mismatches
 from knapspec.testing.models import tiny_model
 
@@ -313,9 +313,9 @@ def test_a_tree_attended_in_one_sdpa_call_fails_the_check(monkeypatch: pytest.Mo
     engine = _engine("llama", torch.float32)
     # The mutant sits in the general path; the lean pass (bitwise that path, see
     # tests/test_exact_pass.py) would not call it.
-    monkeypatch.setattr(engine, "lean_passes", False)
     parents = _random_parents(12, 3)
-    problems = _tree_mismatches(engine, _tokens(30, 1), _tokens(12, 2), parents, 11)
+    with engine.use_paths(lean_passes=False):
+        problems = _tree_mismatches(engine, _tokens(30, 1), _tokens(12, 2), parents, 11)
     assert calls, "the mutant tree attention never ran"
     assert problems
 

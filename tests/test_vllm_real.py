@@ -111,7 +111,7 @@ def _prompts() -> dict[str, list[dict[str, str]]]:
 
 @pytest.fixture(scope="module")
 def model_dir() -> str:
-    from knapspec.model.provision import default_model_path
+    from knapspec.model.loading.provision import default_model_path
 
     return str(default_model_path())
 

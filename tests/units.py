@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from knapspec.model.kernels.row_attention import available_bf16_units
+from knapspec.model.kernels.row_linear import amx_available, packed_available
 from knapspec.model.machine import AMX_TILE_FLAGS, AVX512_BF16_FLAGS, claimed_absent
-from knapspec.model.row_attention import available_bf16_units
-from knapspec.model.row_linear import amx_available, packed_available
 
 #: How every such skip reason starts.
 NATIVE_SKIP = "native unit"

@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     )
     from knapspec.errors import NonFiniteLogitsError
     from knapspec.model import ContextLengthError, KVCache, SublayerEngine, UnsupportedModelError
-    from knapspec.model.provision import ProvisioningError, load_model_and_tokenizer
+    from knapspec.model.loading.provision import ProvisioningError, load_model_and_tokenizer
     from knapspec.planners import (
         PLANNERS,
         AutoregressivePlanner,
@@ -150,7 +150,7 @@ _EXPORTS = {
     "PlanningContext": "knapspec.planners",
     "ProfileError": "knapspec.costmodels",
     "ProfileMismatchError": "knapspec.costmodels",
-    "ProvisioningError": "knapspec.model.provision",
+    "ProvisioningError": "knapspec.model.loading.provision",
     "ReferenceWindow": "knapspec.window",
     "Registry": "knapspec.registry",
     "SamplingParams": "knapspec.sampling",
@@ -163,7 +163,7 @@ _EXPORTS = {
     "UnsupportedModelError": "knapspec.model",
     "ValueProxy": "knapspec.proxies",
     "load_config": "knapspec.config",
-    "load_model_and_tokenizer": "knapspec.model.provision",
+    "load_model_and_tokenizer": "knapspec.model.loading.provision",
     "profile_engine": "knapspec.costmodels",
     "save_config": "knapspec.config",
 }

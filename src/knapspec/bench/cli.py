@@ -271,7 +271,7 @@ def _run(argv: list[str]) -> int:
 
     import torch
 
-    from knapspec.model.provision import load_model_and_tokenizer
+    from knapspec.model.loading.provision import load_model_and_tokenizer
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model_and_tokenizer(args.model, progress=not args.no_progress)

@@ -102,12 +102,12 @@ def vllm_build(python: str | Path) -> dict[str, Any]:
 def kernel_record(engine: Any) -> dict[str, Any]:
     """The engine's kernel table for a results line: its fingerprint and where it came from
     (the full table goes to ``setup.jsonl``)."""
-    from knapspec.model.prefill_kernels import describe
+    from knapspec.model.tuning.prefill import describe
 
     prefill = sorted(set(describe(getattr(engine, "_prefill_large", {})).values()))
     return {
         "kernel_table": engine.kernels.fingerprint(),
         "kernel_source": engine.kernels.source,
-        # A cold prefill's many-row products (knapspec.model.prefill_kernels).
+        # A cold prefill's many-row products (knapspec.model.tuning.prefill).
         "prefill_kernels": prefill or ["f.linear"],
     }

@@ -597,7 +597,7 @@ class Harness:
             cache = filled_cache(self.engine, ids, len(widths) + 1)
             repeats = options.vcurve_repeats
             # The engine with and without its few-row linear kernel (v(k) after / before).
-            plain_engine = SublayerEngine(self.model, small_row_linear=False)
+            plain_engine = SublayerEngine(self.model, kernels="f.linear")
             for backend, seconds in (
                 (
                     "engine",

@@ -52,11 +52,11 @@ def read_prompt(args: argparse.Namespace) -> str:
 def load_model(
     name_or_path: str, dtype: str = "float32"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """``--model`` and ``--dtype``: :func:`knapspec.model.loading.load_model` (which the
+    """``--model`` and ``--dtype``: :func:`knapspec.model.loading.by_name.load_model` (which the
     server calls too), its errors turned into the command's two kinds."""
-    from knapspec.model.loading import ModelLoadError, ModelPathError
-    from knapspec.model.loading import load_model as load
-    from knapspec.model.provision import ProvisioningError
+    from knapspec.model.loading.by_name import ModelLoadError, ModelPathError
+    from knapspec.model.loading.by_name import load_model as load
+    from knapspec.model.loading.provision import ProvisioningError
 
     try:
         return load(name_or_path, dtype)

@@ -1,7 +1,7 @@
 """``knapspec tune``: measure this machine once, ahead of time, for a model.
 
 ``SpeculativeDecoder(model)`` needs two measurements of the machine it runs on: the
-engine's matrix-product kernel table (:mod:`knapspec.model.autotune`) and, for the default
+engine's matrix-product kernel table (:mod:`knapspec.model.tuning.autotune`) and, for the default
 online cost model, a quick latency profile (:mod:`knapspec.costmodels.store`). Each is
 measured on first use and cached; this command does both now (announcing each on stderr,
 with how long it takes and where it caches), so the first generation starts at once.
@@ -26,8 +26,13 @@ def run_tune(args: argparse.Namespace, extra: Sequence[str]) -> int:
     measure what is not cached yet; print where each measurement lives."""
     from knapspec.config import build_components
     from knapspec.costmodels.store import default_profile_path
-    from knapspec.model.autotune import KERNELS_ENV, KernelKey, framework_only, kernel_table_path
     from knapspec.model.engine import SublayerEngine
+    from knapspec.model.tuning.autotune import (
+        KERNELS_ENV,
+        KernelKey,
+        framework_only,
+        kernel_table_path,
+    )
 
     config = load_decoder_config(args.config, args.overrides)
     model, _ = load_model(args.model, getattr(args, "dtype", "float32"))

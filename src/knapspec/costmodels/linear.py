@@ -16,7 +16,7 @@ in the verify law. A model without windows is fitted and priced exactly as befor
 The verify law is measured, not assumed. The paper prices verification as one target step
 (``L·(t_attn + t_mlp)`` for any ``k``), which holds on a GPU but not on a CPU. Nor is the
 cost linear in ``k`` there: BLAS processes the rows of the few-row linear kernel
-(:mod:`knapspec.model.kernels`) in blocks of 4, so ``t(k)/t(1)`` at 512 tokens was measured
+(:mod:`knapspec.model.kernels.table`) in blocks of 4, so ``t(k)/t(1)`` at 512 tokens was measured
 as a staircase (about 1.00, 1.05, 1.10, 1.10, 1.5, 1.75, 2.0, 2.0, 2.3, 2.7, 3.0 for
 k = 1..11). A line in ``k`` overprices ``k <= 4`` and underprices ``k = 5..8``, which sends
 the planner's tokens-per-time search to the wrong draft length; one line per width cannot.

@@ -1,7 +1,7 @@
 """Sliding-window (local) layers in the cost models: the context an item's attention pays for.
 
 A local layer with window ``W`` (Gemma 3: five of every six layers, ``W = 512``) attends
-only the last ``W`` keys (:mod:`knapspec.model.sliding_window`), so its attention item
+only the last ``W`` keys (:mod:`knapspec.model.passes.sliding_window`), so its attention item
 stops getting dearer once the context passes the window. The cost models therefore price
 layer ``i``'s attention against its *effective context* ``min(n, W_i)`` (``n`` for a
 global layer), and a full forward's context-dependent part against the layers' mean

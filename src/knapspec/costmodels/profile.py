@@ -4,7 +4,7 @@ A :class:`LatencyProfile` holds the raw medians measured by
 :func:`knapspec.costmodels.profiler.profile_engine` and the :class:`ProfileKey` that says
 where they are valid: the model (name and a fingerprint of its dimensions and weights), the
 dtype, device, thread count, attention implementation, cache type, library versions, host
-CPU and the engine's kernel table (:meth:`~knapspec.model.kernels.KernelTable.fingerprint`).
+CPU and the engine's kernel table (:meth:`~knapspec.model.kernels.table.KernelTable.fingerprint`).
 A profile measured under another key is refused by :meth:`LatencyProfile.check_compatible`
 unless forced, because item latencies do not carry over between machines, thread counts,
 kernels or cache implementations (method spec §2).
@@ -42,9 +42,10 @@ SCHEMA_VERSION = 1
 
 ATTENTION_IMPLEMENTATION = "knapspec-engine-r4"
 """Timings go through the engine's own arithmetic, not ``attn_implementation``. The suffix
-is the engine's kernel revision (r2: few-row linear layers, :mod:`knapspec.model.kernels`;
-r3: fused q/k/v and gate/up products, :mod:`knapspec.model.fusion`; r4: a full pass's
-layer loop in one compiled call, :mod:`knapspec.model.layer_loop`, which made steps faster);
+is the engine's kernel revision (r2: few-row linear layers, :mod:`knapspec.model.kernels.table`;
+r3: fused q/k/v and gate/up products, :mod:`knapspec.model.kernels.fusion`; r4: a full pass's
+layer loop in one compiled call, :mod:`knapspec.model.kernels.layer_loop`, which made steps
+faster);
 bump it whenever the engine's own code changes speed, so that older timings are refused. Which
 few-row kernels run is machine-specific and lives in the key's ``kernel_table`` field."""
 

@@ -129,8 +129,8 @@ def _sweep(
     """
     positions = torch.tensor([context], device=engine.device)
     # Each item alone through the engine's decode path. A draft step runs its items in the
-    # compiled layer loop (model/layer_loop.py), without the per-item Python timed here,
-    # so these prices err on the dear side.
+    # compiled layer loop (model/kernels/layer_loop.py), without the per-item Python timed
+    # here, so these prices err on the dear side.
     rotary = engine.rotary(positions, hidden)
     attention: list[float] = []
     mlp: list[float] = []

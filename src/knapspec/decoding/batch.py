@@ -54,7 +54,7 @@ from knapspec.decoding.sampler import TokenSampler
 from knapspec.decoding.stats import GenerationStats
 from knapspec.drafters.base import NO_DRAFT, BatchDraftRequest, Draft, Drafter, DraftRequest
 from knapspec.errors import NonFiniteLogitsError
-from knapspec.model.batched import forward_batch, new_batch_cache
+from knapspec.model.passes.batched import forward_batch, new_batch_cache
 from knapspec.planners.batch.policy import BatchDraftPolicy, BatchSubnetwork, RoundPlan
 from knapspec.request import Request
 from knapspec.validators import check_finite

@@ -35,7 +35,7 @@ from knapspec.decoding.batch import BatchRun
 from knapspec.decoding.row import Row
 from knapspec.decoding.sampler import TokenSampler
 from knapspec.decoding.stats import GenerationStats
-from knapspec.model.batched import new_batch_cache
+from knapspec.model.passes.batched import new_batch_cache
 from knapspec.request import Request, completion_room
 from knapspec.validators import all_finite
 

@@ -16,7 +16,7 @@ from knapspec.drafters.base import (
     TokenChooser,
 )
 from knapspec.errors import NonFiniteLogitsError
-from knapspec.model.batched import forward_batch
+from knapspec.model.passes.batched import forward_batch
 from knapspec.validators import check_finite
 
 

@@ -18,7 +18,7 @@ import mmap
 import torch
 
 from knapspec.model.cache import KVCache
-from knapspec.model.layer_ops import scatter_
+from knapspec.model.kernels.layer_ops import scatter_
 
 
 def zeros_on_demand(
@@ -57,7 +57,7 @@ class BatchKVCache:
         capacity: token slots per row (every row's prompt + new tokens + draft room).
         dtype, device: the model's.
         compiled_writes: write K/V through one compiled copy per buffer where it serves
-            (:func:`~knapspec.model.layer_ops.scatter_`, bitwise the indexed assignment).
+            (:func:`~knapspec.model.kernels.layer_ops.scatter_`, bitwise the indexed assignment).
 
     Buffers start as zeros: a padded query attends to nothing it should not, but its
     masked keys still enter the product ``softmax · V`` with weight 0, so they must be

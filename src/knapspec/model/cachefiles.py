@@ -1,6 +1,6 @@
 """The library's own cache files: read defensively, written atomically, first runs serialised.
 
-Kernel tables (:mod:`knapspec.model.autotune`) and latency profiles
+Kernel tables (:mod:`knapspec.model.tuning.autotune`) and latency profiles
 (:mod:`knapspec.costmodels.store`) are measurements cached under
 :func:`~knapspec.paths.cache_root`. A cache file only saves time, so nothing
 about one may fail a call or change its result:

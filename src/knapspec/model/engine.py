@@ -7,9 +7,9 @@ LM head) and owns only the attention arithmetic and the KV cache, so that it can
   attention items that run;
 * keep a preallocated, position-indexed cache (cropping is a pointer move);
 * run the few-row products of decoding and verification through the kernels this
-  machine runs fastest (a :class:`~knapspec.model.kernels.KernelTable`, measured once per
-  machine by :mod:`knapspec.model.autotune`), fusing each layer's query/key/value and
-  gate/up projections into one product where that pays (:mod:`knapspec.model.fusion`);
+  machine runs fastest (a :class:`~knapspec.model.kernels.table.KernelTable`, measured once per
+  machine by :mod:`knapspec.model.tuning.autotune`), fusing each layer's query/key/value and
+  gate/up projections into one product where that pays (:mod:`knapspec.model.kernels.fusion`);
 * attend with grouped-query heads packed onto their K/V head, never materialising the
   repeated K/V that ``repeat_kv`` builds for multi-token queries;
 * run one item functionally over many DP branches against a read-only cache prefix.
@@ -19,7 +19,7 @@ norm, MLP) with full causal attention — Llama, Mistral, Qwen2, Qwen3 — and G
 (``gemma3_text``): a norm before and after each sublayer (the one after applied to the
 sublayer's output before the residual add), q/k norms, a GELU-tanh MLP, rotary tables per
 layer type, and sliding-window layers beside global ones
-(:mod:`knapspec.model.sliding_window`). Gemma's norms and MLP run as the model's own
+(:mod:`knapspec.model.passes.sliding_window`). Gemma's norms and MLP run as the model's own
 modules; its layers take the general item path (the lean pass and the compiled layer loop
 serve the Llama layout only and decline them).
 
@@ -43,30 +43,36 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from knapspec.model.autotune import KERNELS_ENV, framework_only, resolve_kernel_table
 from knapspec.model.cache import KVCache
-from knapspec.model.exact_pass import ExactLayerPass
-from knapspec.model.fusion import FusedProjection, fuse_linears
-from knapspec.model.invariance import InvarianceReport, row_invariant_table
-from knapspec.model.kernel_timing import linear_roles
-from knapspec.model.kernels import (
+from knapspec.model.kernels.fusion import FusedProjection, fuse_linears
+from knapspec.model.kernels.layer_ops import (
+    RotaryFn,
+    apply_norm,
+    rotary_,
+    serves_norms,
+    serves_rotary,
+)
+from knapspec.model.kernels.onednn import prepack
+from knapspec.model.kernels.row_attention import (
+    EXACT_MAX_QUERIES,
+    attend_tree_rows,
+    attention_path,
+    kernel_available,
+)
+from knapspec.model.kernels.table import (
     KERNELS,
     ONEDNN_KERNEL,
     PLAIN_KERNEL,
     Kernel,
     KernelTable,
 )
-from knapspec.model.layer_ops import RotaryFn, apply_norm, rotary_, serves_norms, serves_rotary
-from knapspec.model.onednn import prepack
-from knapspec.model.prefill_kernels import prefill_dispatch
-from knapspec.model.row_attention import (
-    EXACT_MAX_QUERIES,
-    attend_tree_rows,
-    attention_path,
-    kernel_available,
-)
-from knapspec.model.sliding_window import attend_rows_windowed, layer_windows, window_visible
-from knapspec.model.tree import TreeLayout, tree_layout
+from knapspec.model.passes.exact_pass import EnginePaths, ExactLayerPass
+from knapspec.model.passes.sliding_window import attend_rows_windowed, layer_windows, window_visible
+from knapspec.model.passes.tree import TreeLayout, tree_layout
+from knapspec.model.tuning.autotune import KERNELS_ENV, framework_only, resolve_kernel_table
+from knapspec.model.tuning.invariance import InvarianceReport, row_invariant_table
+from knapspec.model.tuning.prefill import prefill_dispatch
+from knapspec.model.tuning.timing import linear_roles
 from knapspec.types import SublayerMask
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
@@ -76,6 +82,9 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", 
 SANDWICH_MODEL_TYPES: tuple[str, ...] = ("gemma3_text",)
 
 _PLAIN: Kernel = KERNELS[PLAIN_KERNEL]
+
+#: Kernels of the products over more than a table's ``max_rows`` rows, by weight shape.
+ManyRowKernels = Mapping[tuple[int, ...], Kernel]
 
 
 class UnsupportedModelError(ValueError):
@@ -216,25 +225,24 @@ class SublayerEngine:
             shape those over 16 rows: prefill, batched verification): ``"auto"`` measures
             the candidates (``F.linear``, the transposed products, oneDNN's packed product
             where the build has it and its weight copies fit in a quarter of the memory)
-            on this machine once and caches the table (:mod:`knapspec.model.autotune`;
+            on this machine once and caches the table (:mod:`knapspec.model.tuning.autotune`;
             about 20 s for SmolLM2-135M on a 2-core CPU the first time, a file read
             afterwards); ``"f.linear"`` runs every projection
             as the model's own module; ``"transposed"`` is engine revision r3's fixed
-            choice; or a :class:`~knapspec.model.kernels.KernelTable`. None reads
+            choice; or a :class:`~knapspec.model.kernels.table.KernelTable`. None reads
             ``$KNAPSPEC_KERNELS``, else ``"auto"``. A model on a non-CPU device or in a
             dtype other than float32 always runs the framework's own products.
-        small_row_linear: False is ``kernels="f.linear"`` (kept for older code).
         fuse_projections: allow running each layer's query/key/value and gate/up
             projections as one product where the table says it pays
-            (:mod:`knapspec.model.fusion`: the layers' weights become row blocks of one
+            (:mod:`knapspec.model.kernels.fusion`: the layers' weights become row blocks of one
             tensor, same values, same memory).
         progress: a progress bar while a table is measured (None: on a terminal only).
         exact: keep the exactness contract (``docs/theory.md``): the logits and K/V that
             a ``k``-token verification computes for each position are bitwise those of a
             one-token step there, in every dtype. Attention over cached keys runs through
-            the row-invariant kernel (:mod:`knapspec.model.row_attention`) and only
+            the row-invariant kernel (:mod:`knapspec.model.kernels.row_attention`) and only
             kernels that pass the row-invariance probe run the products
-            (:mod:`knapspec.model.invariance`). False runs the fastest kernels measured,
+            (:mod:`knapspec.model.tuning.invariance`). False runs the fastest kernels measured,
             which round differently for different row counts (greedy output may then
             leave plain decoding's at a near-tie, often within tens of tokens in bf16).
         invariant_prefill: whether prefills attend through the row-invariant kernel too
@@ -250,12 +258,16 @@ class SublayerEngine:
             conversation's turns may differ from cold calls at a near-tie). See
             :attr:`chunk_invariant`.
         compiled_layer_ops: with ``exact`` on a CPU, run each layer's RMSNorms and
-            rotary as one compiled call each (:mod:`knapspec.model.layer_ops`; rotary
+            rotary as one compiled call each (:mod:`knapspec.model.kernels.layer_ops`; rotary
             bitwise the model's, the norm within an ulp, row-invariant both) where they
             build and compute the model's own, and write a batch's K/V through one compiled
             copy per buffer (bitwise); False keeps the model's modules and PyTorch's
             indexed writes (A/B runs). :attr:`compiled_norms`, :attr:`compiled_rotary` and
             :attr:`compiled_writes` say what runs.
+        paths: which of the exact engine's interchangeable paths run (lean passes, the
+            compiled layer loop; all on by default): a debug and A/B setting that changes
+            no result (:class:`~knapspec.model.passes.exact_pass.EnginePaths`; for a block
+            of code, :meth:`use_paths`).
     """
 
     def __init__(
@@ -263,12 +275,12 @@ class SublayerEngine:
         model: nn.Module,
         *,
         kernels: KernelTable | str | None = None,
-        small_row_linear: bool = True,
         fuse_projections: bool = True,
         progress: bool | None = None,
         exact: bool = True,
         invariant_prefill: bool | None = None,
         compiled_layer_ops: bool = True,
+        paths: EnginePaths | None = None,
     ) -> None:
         _check_supported(model)
         _check_placement(model)
@@ -328,8 +340,6 @@ class SublayerEngine:
             limit = min(limit, int(window))
         self.max_context: int = limit
         self.model_name: str = str(getattr(config, "_name_or_path", "") or type(model).__name__)
-        if not small_row_linear:
-            kernels = "f.linear"
         # Fusion re-points the layers' weights (same values, same memory); only where a
         # table may use it: a float32 CPU model with a table that is not plain F.linear,
         # or an exact CPU engine (its row-invariant table fuses where the kernel computes
@@ -363,20 +373,12 @@ class SublayerEngine:
         if invariant_prefill:
             self.enable_chunk_invariance()
         # An exact CPU engine runs its layer norms and rotary as one compiled call each
-        # (:mod:`knapspec.model.layer_ops`) on every path, where they compute the model's
+        # (:mod:`knapspec.model.kernels.layer_ops`) on every path, where they compute the model's
         # own (a norm within an ulp, rotary bitwise): ~16 small PyTorch operations a layer
         # fewer. Decided before anything runs a forward (the kernel probe below does).
         #: Whether batch caches write K/V through one compiled copy (bitwise; any engine).
         self.compiled_writes: bool = compiled_layer_ops and self.device.type == "cpu"
-        #: Whether exact batched passes, decode steps, verifications and token trees run
-        #: their layer items through :class:`~knapspec.model.exact_pass.ExactLayerPass`
-        #: (bitwise the general path, its per-pass work done once; False runs the general
-        #: path, for A/B runs).
-        self.lean_passes: bool = True
-        #: Whether a lean pass that runs every sublayer runs its whole layer loop as one
-        #: compiled call (:mod:`knapspec.model.layer_loop`; bitwise the same; False runs
-        #: its items one by one, for A/B runs).
-        self.compiled_loop: bool = True
+        self._paths = paths if paths is not None else EnginePaths()
         # Gemma's norms scale by 1 + w: its modules run (and serves_norms says no too).
         compiled = (
             compiled_layer_ops and exact and self.device.type == "cpu" and not self.sandwich_norms
@@ -407,28 +409,49 @@ class SublayerEngine:
             # A cold prefill (a prompt from position 0 while chunk invariance is off) runs
             # its many-row products through whichever of the measured and the
             # row-invariant kernels is faster here, timed per shape and prompt length
-            # (:mod:`knapspec.model.prefill_kernels`): no verification and no one-token
+            # (:mod:`knapspec.model.tuning.prefill`): no verification and no one-token
             # step has that shape (they start past the prompt), plain and speculative
             # decoding share the prefill, and with chunk invariance on (prefix cache,
             # conversations) every prefill keeps the row-invariant kernels.
-            self._prefill_large: Mapping[tuple[int, ...], Kernel] = prefill_dispatch(
+            self._prefill_large: ManyRowKernels = prefill_dispatch(
                 self, measured, table, self._time_cold_prefill
             )
 
-    def _time_cold_prefill(self, dispatch: Mapping[tuple[int, ...], Kernel], length: int) -> float:
+    def _time_cold_prefill(self, dispatch: ManyRowKernels, length: int) -> float:
         """Seconds of one cold prefill of ``length`` tokens (a fixed pseudo-random prompt)
-        with ``dispatch`` as its many-row kernels (:mod:`knapspec.model.prefill_kernels`)."""
+        with ``dispatch`` as its many-row kernels (:mod:`knapspec.model.tuning.prefill`);
+        the engine's own stay as they are."""
         generator = torch.Generator().manual_seed(length)
         tokens = torch.randint(0, self.vocab_size, (length,), generator=generator)
-        kept = self._prefill_large
-        self._prefill_large = dict(dispatch)
+        cache = self.new_cache(length)
+        start = time.perf_counter()
+        self._forward(tokens, 0, cache, None, False, False, None, dispatch)
+        return time.perf_counter() - start
+
+    @property
+    def paths(self) -> EnginePaths:
+        """Which of the exact engine's interchangeable paths run (see
+        :class:`~knapspec.model.passes.exact_pass.EnginePaths`)."""
+        return self._paths
+
+    @contextlib.contextmanager
+    def use_paths(
+        self, *, lean_passes: bool | None = None, compiled_loop: bool | None = None
+    ) -> Iterator[EnginePaths]:
+        """Run other paths while the context is open (the fields given; the rest as they
+        are), then the engine's own again: for A/B runs, debugging and tests. Bitwise the
+        same results either way (:class:`~knapspec.model.passes.exact_pass.EnginePaths`).
+
+        Yields:
+            the paths in force inside the block.
+        """
+        changes = {"lean_passes": lean_passes, "compiled_loop": compiled_loop}
+        kept = self._paths
+        self._paths = attrs.evolve(kept, **{k: v for k, v in changes.items() if v is not None})
         try:
-            cache = self.new_cache(length)
-            start = time.perf_counter()
-            self.forward(tokens, 0, cache, all_logits=False)
-            return time.perf_counter() - start
+            yield self._paths
         finally:
-            self._prefill_large = kept
+            self._paths = kept
 
     @property
     def has_qk_norm(self) -> bool:
@@ -439,7 +462,7 @@ class SublayerEngine:
     def exact_attention_path(self) -> str | None:
         """What this exact engine's attention runs on here: ``amx-tiles``, ``avx512-bf16``,
         ``vector`` or ``one-query-calls``
-        (:func:`~knapspec.model.row_attention.attention_path`); None for an inexact engine
+        (:func:`~knapspec.model.kernels.row_attention.attention_path`); None for an inexact engine
         or one off the CPU."""
         if not self.exact or self.device.type != "cpu":
             return None
@@ -476,14 +499,11 @@ class SublayerEngine:
         if not self._fuse_projections:
             table = table.with_fusion_off()
         self.kernels = table
-        self.small_row_linear = not table.is_plain
         self._max_rows = table.max_rows if not table.is_plain else 0
         self._set_dispatch(table.dispatch(), table.large_dispatch())
         #: The kernels of a cold prefill's many-row products (``__init__`` says when they
-        #: differ from ``_large``).
+        #: differ from ``_large``; :meth:`forward` hands them down the call).
         self._prefill_large = self._large
-        #: Set by :meth:`forward` during a cold prefill (see ``_prefill_large``).
-        self._cold_prefill = False
         self._fuse_qkv_rows = table.fuse_rows("qkv")
         self._fuse_gate_up_rows = table.fuse_rows("gate_up")
         # A row-invariant table fuses products over max_rows rows as it fuses few-row ones
@@ -542,7 +562,7 @@ class SublayerEngine:
 
     def _prepack(self, table: KernelTable) -> None:
         """Reorder now every weight ``table`` runs through oneDNN (see
-        :func:`knapspec.model.onednn.prepack`)."""
+        :func:`knapspec.model.kernels.onednn.prepack`)."""
 
         def packed(name: str) -> bool:  # oneDNN as it is or in blocks ("onednn/32")
             return name.partition("/")[0] == ONEDNN_KERNEL
@@ -588,28 +608,35 @@ class SublayerEngine:
             )
 
     # ------------------------------------------------------------- numerics
-    def project(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def project(
+        self, module: nn.Module, x: torch.Tensor, prefill: ManyRowKernels | None = None
+    ) -> torch.Tensor:
         """``module(x)`` for a linear layer, through the table's kernel for few rows.
 
         Anything but a plain ``nn.Linear`` (a quantised or hooked layer) runs as itself.
+        ``prefill``: a cold prefill's many-row kernels, handed down by :meth:`forward`
+        during one (None: the table's).
         """
-        kernel = self.project_kernel(module, x.numel() // x.shape[-1])
+        kernel = self.project_kernel(module, x.numel() // x.shape[-1], prefill)
         if kernel is not None:
             assert isinstance(module, nn.Linear)  # project_kernel serves nothing else
             return kernel(x, module.weight, module.bias)
         result: torch.Tensor = module(x)
         return result
 
-    def project_kernel(self, module: nn.Module, rows: int) -> Kernel | None:
-        """The kernel :meth:`project` runs ``module`` with over ``rows`` rows, or None where
-        the module runs as itself (not a plain ``nn.Linear``, or no kernel for its shape)."""
+    def project_kernel(
+        self, module: nn.Module, rows: int, prefill: ManyRowKernels | None = None
+    ) -> Kernel | None:
+        """The kernel :meth:`project` runs ``module`` with over ``rows`` rows (``prefill``: a
+        cold prefill's many-row kernels, or None), or None where the module runs as itself
+        (not a plain ``nn.Linear``, or no kernel for its shape)."""
         if type(module) is not nn.Linear:
             return None
         shape = module.weight.shape
         if rows <= self._max_rows:
             kernels = self._dispatch.get(shape)
             return kernels[rows] if kernels is not None else None
-        large = self._prefill_large if self._cold_prefill else self._large
+        large = prefill if prefill is not None else self._large
         return large.get(shape)
 
     def normed(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -626,15 +653,17 @@ class SublayerEngine:
         fuse_rows: tuple[bool, ...],
         x: torch.Tensor,
         fuse_large: bool = False,
+        prefill: ManyRowKernels | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """The parts' outputs for ``x (..., d)``: one product where the table fuses this
-        many rows (``fuse_large``: also over ``max_rows``) and the fusion is current; else
-        one product per part (a prefill, see :mod:`knapspec.model.fusion`, or weights
-        replaced since the engine was built)."""
-        product = self._fused_product(fused, fuse_rows, x, fuse_large)
+        many rows (``fuse_large``: also over ``max_rows``, outside a cold prefill) and the
+        fusion is current; else one product per part (a prefill, see
+        :mod:`knapspec.model.kernels.fusion`, or weights replaced since the engine was
+        built). ``prefill``: as :meth:`project` takes it."""
+        product = self._fused_product(fused, fuse_rows, x, fuse_large, prefill)
         if product is not None:
             return fused.split(product)
-        return tuple(self.project(part, x) for part in fused.parts)
+        return tuple(self.project(part, x, prefill) for part in fused.parts)
 
     def _fused_product(
         self,
@@ -642,18 +671,26 @@ class SublayerEngine:
         fuse_rows: tuple[bool, ...],
         x: torch.Tensor,
         fuse_large: bool,
+        prefill: ManyRowKernels | None = None,
     ) -> torch.Tensor | None:
         """:meth:`_fused`'s one product ``(..., Σ sizes)``, or None where it runs the parts."""
-        kernel = self._fused_kernel(fused, fuse_rows, x.numel() // x.shape[-1], fuse_large)
+        rows = x.numel() // x.shape[-1]
+        kernel = self._fused_kernel(fused, fuse_rows, rows, fuse_large, prefill)
         return None if kernel is None else kernel(x, fused.weight, fused.bias)
 
     def _fused_kernel(
-        self, fused: FusedProjection, fuse_rows: tuple[bool, ...], rows: int, fuse_large: bool
+        self,
+        fused: FusedProjection,
+        fuse_rows: tuple[bool, ...],
+        rows: int,
+        fuse_large: bool,
+        prefill: ManyRowKernels | None = None,
     ) -> Kernel | None:
         """The kernel of ``fused``'s one product over ``rows`` rows, or None where the parts
-        run one by one (this many rows not fused, or the fusion no longer current)."""
+        run one by one (this many rows not fused, a cold prefill's many rows, or the fusion
+        no longer current)."""
         small = rows <= self._max_rows
-        fuse_large = fuse_large and not self._cold_prefill
+        fuse_large = fuse_large and prefill is None
         if not ((fuse_rows[rows] if small else fuse_large) and fused.is_current()):
             return None
         shape = fused.weight.shape
@@ -702,8 +739,11 @@ class SublayerEngine:
         kernel = self._fused_kernel(fused, fuse_rows, rows, large)
         return None if kernel is None else (fused, kernel)
 
-    def _gated_mlp(self, layer_index: int, x: torch.Tensor) -> torch.Tensor:
-        """``down(act(gate(x)) * up(x))``, the Llama/Mistral/Qwen MLP, via :meth:`project`."""
+    def _gated_mlp(
+        self, layer_index: int, x: torch.Tensor, prefill: ManyRowKernels | None = None
+    ) -> torch.Tensor:
+        """``down(act(gate(x)) * up(x))``, the Llama/Mistral/Qwen MLP, via :meth:`project`
+        (``prefill`` as it takes it)."""
         mlp = self.layers[layer_index].mlp
         gate = getattr(mlp, "gate_proj", None)
         up = getattr(mlp, "up_proj", None)
@@ -720,12 +760,14 @@ class SublayerEngine:
             return result
         fused = self._fused_gate_up[layer_index]
         if fused is not None:
-            gated, upward = self._fused(fused, self._fuse_gate_up_rows, x, self._fuse_gate_up_large)
+            gated, upward = self._fused(
+                fused, self._fuse_gate_up_rows, x, self._fuse_gate_up_large, prefill
+            )
         else:
-            gated, upward = self.project(gate, x), self.project(up, x)
+            gated, upward = self.project(gate, x, prefill), self.project(up, x, prefill)
         hidden = act(gated)
         hidden.mul_(upward)  # in place: one (rows, d_ff) allocation fewer
-        return self.project(down, hidden)
+        return self.project(down, hidden, prefill)
 
     def rotary(
         self, positions: torch.Tensor, like: torch.Tensor
@@ -761,9 +803,15 @@ class SublayerEngine:
         return cos[first : first + rows], sin[first : first + rows]
 
     def project_qkv(
-        self, layer_index: int, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        layer_index: int,
+        normed: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        prefill: ManyRowKernels | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries ``(b, H, q, hd)`` and keys/values ``(b, kvH, q, hd)`` with rotary applied."""
+        """Queries ``(b, H, q, hd)`` and keys/values ``(b, kvH, q, hd)`` with rotary applied
+        (``prefill``: as :meth:`project` takes it)."""
         attn = self.layers[layer_index].self_attn
         cos, sin = self.layer_rotary(layer_index, cos, sin)
         batch, q_len, _ = normed.shape
@@ -772,12 +820,14 @@ class SublayerEngine:
         if fused is not None:
             query, key, value = (
                 part.reshape(shape)
-                for part in self._fused(fused, self._fuse_qkv_rows, normed, self._fuse_qkv_large)
+                for part in self._fused(
+                    fused, self._fuse_qkv_rows, normed, self._fuse_qkv_large, prefill
+                )
             )
         else:
-            query = self.project(attn.q_proj, normed).view(shape)
-            key = self.project(attn.k_proj, normed).view(shape)
-            value = self.project(attn.v_proj, normed).view(shape)
+            query = self.project(attn.q_proj, normed, prefill).view(shape)
+            key = self.project(attn.k_proj, normed, prefill).view(shape)
+            value = self.project(attn.v_proj, normed, prefill).view(shape)
         if self._has_qk_norm:
             query = attn.q_norm(query)
             key = attn.k_norm(key)
@@ -953,10 +1003,12 @@ class SublayerEngine:
         cache: KVCache,
         tree: TreeLayout | None = None,
         lean: ExactLayerPass | None = None,
+        prefill: ManyRowKernels | None = None,
     ) -> torch.Tensor:
         """Run layer ``layer_index``'s attention item on ``hidden (1, q, d)``, writing K/V
         (with ``tree``, node ``i`` at slot ``start + i``, attending as :meth:`forward_tree`
-        says); through ``lean`` (:meth:`_lean_pass`) where it serves this layer."""
+        says); through ``lean`` (:meth:`_lean_pass`) where it serves this layer; ``prefill``
+        as :meth:`project` takes it."""
         if lean is not None:
             cache.check_gap(layer_index, start)
             stepped = lean.attention_item(layer_index, hidden)
@@ -966,7 +1018,7 @@ class SublayerEngine:
         layer = self.layers[layer_index]
         q_len = hidden.shape[1]
         query, key, value = self.project_qkv(
-            layer_index, self.normed(layer.input_layernorm, hidden), cos, sin
+            layer_index, self.normed(layer.input_layernorm, hidden), cos, sin, prefill
         )
         cache.write(layer_index, start, key[0], value[0])
         end = start + q_len
@@ -993,43 +1045,53 @@ class SublayerEngine:
             attended = self._attend(query, keys, values, None)
         else:
             attended = self._attend(query, keys, values, causal_mask(start, q_len, self.device))
-        return self.attention_residual(layer_index, hidden, attended)
+        return self.attention_residual(layer_index, hidden, attended, prefill)
 
     def attention_residual(
-        self, layer_index: int, hidden: torch.Tensor, attended: torch.Tensor
+        self,
+        layer_index: int,
+        hidden: torch.Tensor,
+        attended: torch.Tensor,
+        prefill: ManyRowKernels | None = None,
     ) -> torch.Tensor:
         """The residual stream ``hidden (..., d)`` after layer ``layer_index``'s attention
         whose heads' output is ``attended (..., H * hd)``: plus its output projection,
-        normalised first where the layers have a norm after each sublayer (Gemma 3)."""
+        normalised first where the layers have a norm after each sublayer (Gemma 3);
+        ``prefill`` as :meth:`project` takes it."""
         layer = self.layers[layer_index]
-        out = self.project(layer.self_attn.o_proj, attended)
+        out = self.project(layer.self_attn.o_proj, attended, prefill)
         if self.sandwich_norms:
             out = self.normed(layer.post_attention_layernorm, out)
         output: torch.Tensor = hidden + out
         return output
 
     def mlp_item(
-        self, layer_index: int, hidden: torch.Tensor, lean: ExactLayerPass | None = None
+        self,
+        layer_index: int,
+        hidden: torch.Tensor,
+        lean: ExactLayerPass | None = None,
+        prefill: ManyRowKernels | None = None,
     ) -> torch.Tensor:
         """The residual stream ``(b, q, d)`` after layer ``layer_index``'s MLP sublayer
-        (through ``lean``, a pass's :class:`~knapspec.model.exact_pass.ExactLayerPass`,
-        where it serves this layer: bitwise the same)."""
+        (through ``lean``, a pass's :class:`~knapspec.model.passes.exact_pass.ExactLayerPass`,
+        where it serves this layer: bitwise the same; ``prefill`` as :meth:`project` takes
+        it)."""
         if lean is not None:
             stepped = lean.mlp_item(layer_index, hidden)
             if stepped is not None:
                 return stepped
         layer = self.layers[layer_index]
         if self.sandwich_norms:
-            fed = self._gated_mlp(layer_index, self.normed(layer.pre_feedforward_layernorm, hidden))
+            normed = self.normed(layer.pre_feedforward_layernorm, hidden)
+            fed = self._gated_mlp(layer_index, normed, prefill)
             sandwiched: torch.Tensor = hidden + self.normed(layer.post_feedforward_layernorm, fed)
             return sandwiched
         output: torch.Tensor = hidden + self._gated_mlp(
-            layer_index, self.normed(layer.post_attention_layernorm, hidden)
+            layer_index, self.normed(layer.post_attention_layernorm, hidden), prefill
         )
         return output
 
     # ------------------------------------------------------------- public API
-    @torch.inference_mode()
     def forward(
         self,
         token_ids: torch.Tensor,
@@ -1055,6 +1117,31 @@ class SublayerEngine:
         Returns:
             :class:`ForwardOutput`.
         """
+        return self._forward(
+            token_ids,
+            start,
+            cache,
+            mask,
+            all_logits,
+            capture_points,
+            capture_last,
+            self._prefill_large,
+        )
+
+    @torch.inference_mode()
+    def _forward(
+        self,
+        token_ids: torch.Tensor,
+        start: int,
+        cache: KVCache,
+        mask: SublayerMask | None,
+        all_logits: bool,
+        capture_points: bool,
+        capture_last: int | None,
+        prefill_kernels: ManyRowKernels,
+    ) -> ForwardOutput:
+        """:meth:`forward`, a cold prefill's many-row products through ``prefill_kernels``
+        (the engine's own, or those :meth:`_time_cold_prefill` times)."""
         if token_ids.dim() != 1 or token_ids.numel() == 0:
             raise ValueError(
                 f"token_ids must be a non-empty 1-D tensor, got shape {tuple(token_ids.shape)}"
@@ -1075,27 +1162,27 @@ class SublayerEngine:
         copy = capture_last is not None and capture_last < q_len
         points: list[torch.Tensor] = [_kept(hidden, keep, copy)] if capture_points else []
         executed = mask.executed if mask is not None else (True,) * self.num_items
-        self._cold_prefill = start == 0 and not self.chunk_invariant
+        # A cold prefill (a prompt from position 0 while chunk invariance is off) hands its
+        # many-row kernels down the call; every other call runs the table's. (At position 0
+        # the lean pass and the layer loop serve a single token, never a many-row product.)
+        prefill = prefill_kernels if start == 0 and not self.chunk_invariant else None
         lean = self._lean_pass(start, q_len, cos, sin, cache)
         looped = None
         if lean is not None and not capture_points:
             looped = self._run_loop(lean, hidden, start, cache, executed)
-        try:
-            for layer_index in range(self.num_layers if looped is None else 0):
-                if executed[2 * layer_index]:
-                    hidden = self._attention_item(
-                        layer_index, hidden, start, cos, sin, cache, lean=lean
-                    )
-                if capture_points:
-                    points.append(_kept(hidden, keep, copy))
-                if executed[2 * layer_index + 1]:
-                    hidden = self.mlp_item(layer_index, hidden, lean)
-                if capture_points:
-                    points.append(_kept(hidden, keep, copy))
-            final = hidden[0] if looped is None else looped[0]
-            logits = self.logits(final if all_logits else final[-1:])
-        finally:
-            self._cold_prefill = False
+        for layer_index in range(self.num_layers if looped is None else 0):
+            if executed[2 * layer_index]:
+                hidden = self._attention_item(
+                    layer_index, hidden, start, cos, sin, cache, lean=lean, prefill=prefill
+                )
+            if capture_points:
+                points.append(_kept(hidden, keep, copy))
+            if executed[2 * layer_index + 1]:
+                hidden = self.mlp_item(layer_index, hidden, lean, prefill)
+            if capture_points:
+                points.append(_kept(hidden, keep, copy))
+        final = hidden[0] if looped is None else looped[0]
+        logits = self.logits(final if all_logits else final[-1:], prefill)
         stacked = None
         if capture_points:
             stacked = torch.stack(points) if copy else torch.stack(points)[:, 0, keep]
@@ -1134,7 +1221,7 @@ class SublayerEngine:
         cache: KVCache,
         tree: TreeLayout | None = None,
     ) -> ExactLayerPass | None:
-        """The lean pass (:mod:`knapspec.model.exact_pass`) of a decode step, a verification
+        """The lean pass (:mod:`knapspec.model.passes.exact_pass`) of a decode step, a verification
         of ``q_len <= EXACT_MAX_QUERIES`` tokens or a token tree at ``start`` (where
         :meth:`_attention_item` attends through the row-invariant kernel); None for a
         prefill, an inexact engine, or where it does not serve."""
@@ -1168,7 +1255,7 @@ class SublayerEngine:
 
         Node ``i`` sits at position ``start + depth(i)``; its K/V are written at slot
         ``start + i`` of every layer, and it attends to positions ``0 .. start - 1`` and to
-        its ancestors and itself (:mod:`knapspec.model.tree`). On an exact engine each
+        its ancestors and itself (:mod:`knapspec.model.passes.tree`). On an exact engine each
         node's logits and K/V are bitwise those of one-token steps along its root-to-node
         path (after :meth:`KVCache.compact` of that path, the cache is bitwise theirs too);
         a chain (``parents = [-1, 0, 1, ...]``) gives bitwise :meth:`forward`'s logits.
@@ -1188,7 +1275,7 @@ class SublayerEngine:
 
         Raises:
             ValueError: on malformed ``token_ids`` or ``parents`` (see
-                :func:`knapspec.model.tree.tree_layout`).
+                :func:`knapspec.model.passes.tree.tree_layout`).
         """
         if token_ids.dim() != 1 or token_ids.numel() == 0:
             raise ValueError(
@@ -1213,9 +1300,10 @@ class SublayerEngine:
         stacked = torch.stack(points) if capture_points else None
         return ForwardOutput(logits=self.logits(final), hidden=final, points=stacked)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: ``(..., d_model) -> (..., vocab)`` in float32."""
-        logits: torch.Tensor = self.project(self.lm_head, self.final_norm(hidden))
+    def logits(self, hidden: torch.Tensor, prefill: ManyRowKernels | None = None) -> torch.Tensor:
+        """Final norm and LM head: ``(..., d_model) -> (..., vocab)`` in float32
+        (``prefill`` as :meth:`project` takes it)."""
+        logits: torch.Tensor = self.project(self.lm_head, self.final_norm(hidden), prefill)
         cap = self.final_logit_softcapping
         if cap is not None:  # as the model's forward does, in the model's dtype
             logits = torch.tanh(logits / cap) * cap

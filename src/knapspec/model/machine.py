@@ -1,6 +1,6 @@
 """What a timing depends on besides the model: the host CPU, its instruction set and the BLAS.
 
-Kernel tables (:mod:`knapspec.model.autotune`) and latency profiles
+Kernel tables (:mod:`knapspec.model.tuning.autotune`) and latency profiles
 (:mod:`knapspec.costmodels.profile`) are keyed by these, and every benchmark records them:
 the same few-row product is 1.6x faster one way on one x86 CPU and 2x slower on another.
 """

@@ -60,8 +60,8 @@ def loader(
 
     def load() -> Backend:
         from knapspec.decoding.decoder import SpeculativeDecoder
-        from knapspec.model.loading import load_model
-        from knapspec.model.provision import known_model
+        from knapspec.model.loading.by_name import load_model
+        from knapspec.model.loading.provision import known_model
 
         loaded, tokenizer = load_model(model, dtype)
         decoder = SpeculativeDecoder.from_config(loaded, config)

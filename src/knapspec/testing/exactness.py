@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from knapspec.model.batched import AttentionLayout, forward_batch, new_batch_cache
-from knapspec.model.tree import tree_layout
+from knapspec.model.passes.batched import AttentionLayout, forward_batch, new_batch_cache
+from knapspec.model.passes.tree import tree_layout
 
 if TYPE_CHECKING:
     from knapspec.model.cache import KVCache

@@ -3,7 +3,7 @@
 A batched verification runs its linear products once over the rows' real tokens (packed)
 and each row's attention over its own cache, at the padded width, or at the row's own
 width where the pass splits its attention (:func:`packed_verify_cost`,
-:func:`~knapspec.model.batched.splits_attention`); a batched sub-network step scales
+:func:`~knapspec.model.passes.batched.splits_attention`); a batched sub-network step scales
 the mask's products from one row to all rows as verification scales
 (:func:`batched_draft_cost`). How far real batched passes stray from those prices is
 learned online (:class:`BatchPassCalibration`), and one round's queries are made once
@@ -22,7 +22,7 @@ import attrs
 import numpy as np
 
 from knapspec.costmodels.base import CostModel
-from knapspec.model.batched import SPLIT_PADDING_FACTOR, splits_attention
+from knapspec.model.passes.batched import SPLIT_PADDING_FACTOR, splits_attention
 from knapspec.types import SublayerMask
 
 FloatArray = np.ndarray[Any, np.dtype[np.float64]]
@@ -286,7 +286,7 @@ class RoundPrices:
         Args:
             attended: the rows' attention seconds at their own widths,
                 ``Σ_r attention(w_r)``: what the pass costs where it splits its attention
-                (:func:`~knapspec.model.batched.splits_attention`); None: every row at
+                (:func:`~knapspec.model.passes.batched.splits_attention`); None: every row at
                 ``width``.
         """
         products = self._products.get(tokens)
