@@ -379,7 +379,7 @@ class SublayerEngine:
         #: its items one by one, for A/B runs).
         self.compiled_loop: bool = True
         compiled = compiled_layer_ops and exact and self.device.type == "cpu"
-        norm_names = ("input_layernorm", "post_attention_layernorm")
+        norm_names: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
         if self.sandwich_norms:
             norm_names += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
         norms = [getattr(layer, name) for layer in self.layers for name in norm_names]
