@@ -59,7 +59,8 @@ def test_the_tiny_model_is_laid_out_as_gemma_3() -> None:
     assert engine.kv_groups == 4 and engine.head_dim == 256
     assert engine.attention_scale == 64**-0.5  # query_pre_attn_scalar, not head_dim
     assert engine.max_context == 256  # the window does not bound the context
-    assert not engine.compiled_norms  # 1 + w: the model's own modules run
+    # Gemma's 1 + w form runs compiled, its sandwich and q/k norms too (every path).
+    assert engine.compiled_norms and engine.compiled_qk_norms and engine.compiled_rotary
 
 
 @pytest.mark.parametrize(

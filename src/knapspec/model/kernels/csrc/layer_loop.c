@@ -17,7 +17,7 @@
 #include "bfloat16.h"
 
 typedef int (*norm_fn)(const void *, const void *, void *, int64_t, int64_t, int64_t, float, int,
-                       int);
+                       int, int);
 /* The packed kernels (packed-linear, amx-linear: bfloat16) and row-linear (any dtype). */
 typedef int (*packed_fn)(const void *, const void *, const void *, void *, int64_t, int64_t,
                          int64_t, int64_t, int64_t, int);
@@ -140,7 +140,7 @@ int knapspec_layer_loop(void *hidden, int64_t layers, void *const *pointers, con
         void *const *p = pointers + l * LAYER_SLOTS;
         /* Attention item (skipped where the mask skips it: no K/V written). */
         if (!executed || executed[2 * l]) {
-            if ((status = norm(hidden, p[NORM_IN], normed, n, d, d, eps[2 * l], dtype, threads)))
+            if ((status = norm(hidden, p[NORM_IN], normed, n, d, d, eps[2 * l], dtype, threads, 0)))
                 return STEP_NORM_IN * 1000 + status;
             if ((status = product(p, QKV_W, normed, qkv, n, d, qkv_width, dtype, threads, l,
                                   product_callback)))
@@ -182,7 +182,7 @@ int knapspec_layer_loop(void *hidden, int64_t layers, void *const *pointers, con
         /* MLP item: down(silu(gate) * up). */
         if (!executed || executed[2 * l + 1]) {
             if ((status = norm(hidden, p[NORM_POST], normed, n, d, d, eps[2 * l + 1], dtype,
-                               threads)))
+                               threads, 0)))
                 return STEP_NORM_POST * 1000 + status;
             if ((status = product(p, GATE_UP_W, normed, gate_up, n, d, 2 * ff, dtype, threads, l,
                                   product_callback)))
