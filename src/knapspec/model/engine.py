@@ -21,8 +21,9 @@ sublayer's output before the residual add), q/k norms, a GELU-tanh MLP, rotary t
 layer type, and sliding-window layers beside global ones
 (:mod:`knapspec.model.passes.sliding_window`). Gemma's norms (``1 + weight``, q/k norms included)
 run compiled as the Llama layout's do (:mod:`knapspec.model.kernels.layer_ops`), its MLP as the
-model's own module; its layers take the general item path (the lean pass and the compiled
-layer loop serve the Llama layout only and decline them).
+model's own module; the lean pass (:mod:`knapspec.model.passes.exact_pass`) serves its
+layers, windows included (the compiled layer loop computes the Llama layout only and
+declines them).
 
 Size: over 450 lines because full forwards, tree verification, single items and batched
 DP items share one attention and MLP implementation and the cache layout; the kernels,
@@ -1152,20 +1153,16 @@ class SublayerEngine:
         of ``q_len <= EXACT_MAX_QUERIES`` tokens or a token tree at ``start`` (where
         :meth:`_attention_item` attends through the row-invariant kernel); None for a
         prefill, an inexact engine, or where it does not serve."""
-        if (
-            not self.exact
-            or self.sandwich_norms  # the lean pass computes the Llama layout only
-            or q_len > EXACT_MAX_QUERIES
-            or (start == 0 and q_len > 1)
-        ):
+        if not self.exact or q_len > EXACT_MAX_QUERIES or (start == 0 and q_len > 1):
             return None
         cache.reserve(start + q_len)
         slots = torch.arange(start, start + q_len)
         index = (torch.zeros(q_len, dtype=torch.int64), slots)
         lengths = (slots + 1).unsqueeze(0) if tree is None else None
         rows = (tree.prefix, tree.visible) if tree is not None else None
+        positions = tree.positions if tree is not None else None
         return ExactLayerPass.prepare(
-            self, cache, self.compiled_writes, cos, sin, index, lengths, None, rows
+            self, cache, self.compiled_writes, cos, sin, index, lengths, None, rows, positions
         )
 
     @torch.inference_mode()
