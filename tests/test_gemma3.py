@@ -1,7 +1,6 @@
 """Gemma 3 through the engine: transformers' own ``Gemma3ForCausalLM`` forward is the oracle
 (float32, allclose), its sliding window crossed; the exactness contract past the window,
-in batches and token trees; the lean pass serves Gemma's layers (the compiled layer loop
-declines them: it computes the Llama layout only).
+in batches and token trees; the lean pass and the compiled layer loop serve Gemma's layers.
 
 The tiny model (:func:`knapspec.testing.tiny_model` ``"gemma3"``) has a window of 8 tokens
 on its first two layers and a global third, one K/V head for four query heads of 256, and
@@ -12,6 +11,7 @@ from __future__ import annotations
 
 import functools
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from knapspec.model.engine import SublayerEngine, UnsupportedModelError
 from knapspec.model.kernels import layer_loop
 from knapspec.model.kernels.row_attention import attend_rows
+from knapspec.model.kernels.table import FUSION_GROUPS
 from knapspec.model.passes import exact_pass, sliding_window
 from knapspec.model.passes.batched import forward_batch, new_batch_cache
 from knapspec.testing.exactness import batch_mismatches, verification_mismatches
@@ -266,30 +267,45 @@ def test_an_inexact_batch_is_each_row_alone_up_to_rounding(layout: str) -> None:
 
 
 # -------------------------------------------------- the lean pass and the compiled loop
-def test_the_lean_pass_serves_gemma_and_the_layer_loop_declines_it(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("path", ["layer-loop", "lean-items"])
+def test_the_lean_pass_and_the_layer_loop_serve_gemma(
+    path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A verification past the window and a batched pass take the lean pass (every
-    layer's items through it) and equal transformers; the compiled layer loop, which
-    computes the Llama layout only, declines them."""
-    ran: list[int] = []
+    """A verification past the window and a batched pass take the compiled layer loop (or,
+    with it off, the lean pass's items at every layer) and equal transformers."""
+    engine = SublayerEngine(_model(), progress=False)
+    table = engine.kernels  # fused q/k/v and gate/up at every row count: what both serve
+    engine.use_kernels(
+        attrs.evolve(table, fuse={group: (True,) * table.max_rows for group in FUSION_GROUPS})
+    )
+    engine.compiled_loop = path == "layer-loop"
+    looped: list[int] = []
     real_run = layer_loop.run_layers
 
     def run(*args: object, **kwargs: object) -> object:
-        looped = real_run(*args, **kwargs)  # type: ignore[arg-type]
-        assert looped is None, "the compiled layer loop must not run Gemma's layers"
-        return looped
-
-    monkeypatch.setattr(layer_loop, "run_layers", run)
-    real_item = exact_pass.ExactLayerPass.attention_item
-
-    def item(lean: exact_pass.ExactLayerPass, layer: int, hidden: torch.Tensor) -> object:
-        out = real_item(lean, layer, hidden)
-        ran.extend([layer] if out is not None else [])
+        out = real_run(*args, **kwargs)  # type: ignore[arg-type]
+        looped.extend([] if out is None else [out.numel() // out.shape[-1]])
         return out
 
-    monkeypatch.setattr(exact_pass.ExactLayerPass, "attention_item", item)
-    engine = _engine()
+    monkeypatch.setattr(layer_loop, "run_layers", run)
+    items: list[str] = []
+    real_attention, real_mlp = (
+        exact_pass.ExactLayerPass.attention_item,
+        exact_pass.ExactLayerPass.mlp_item,
+    )
+
+    def attention(lean: exact_pass.ExactLayerPass, layer: int, hidden: torch.Tensor) -> object:
+        out = real_attention(lean, layer, hidden)
+        items.extend([] if out is None else [f"attention {layer}"])
+        return out
+
+    def mlp(lean: exact_pass.ExactLayerPass, layer: int, hidden: torch.Tensor) -> object:
+        out = real_mlp(lean, layer, hidden)
+        items.extend([] if out is None else [f"mlp {layer}"])
+        return out
+
+    monkeypatch.setattr(exact_pass.ExactLayerPass, "attention_item", attention)
+    monkeypatch.setattr(exact_pass.ExactLayerPass, "mlp_item", mlp)
     ids = _tokens(16, 7)
     cache = engine.new_cache(16)
     engine.forward(ids[:10], 0, cache)
@@ -300,10 +316,15 @@ def test_the_lean_pass_serves_gemma_and_the_layer_loop_declines_it(
         single = engine.new_cache(20)
         engine.forward(ids[:10], 0, single, all_logits=False)
         batch.load_row(row, single, 10)
-    forward_batch(engine, ids[10:13].repeat(2, 1), [10, 10], batch)
-    fused = engine.fusion("qkv", 0, 3) is not None and engine.fusion("qkv", 0, 6) is not None
-    if fused:  # the lean pass runs fused products (a tiny model's table may not fuse)
-        assert ran == [0, 1, 2] * 2
+    logits = forward_batch(engine, ids[10:13].repeat(2, 1), [10, 10], batch)
+    torch.testing.assert_close(logits[1], _reference(ids[:13])[10:], atol=2e-5, rtol=1e-4)
+    every = [
+        f"{kind} {layer}" for layer in range(engine.num_layers) for kind in ("attention", "mlp")
+    ]
+    if path == "layer-loop":
+        assert looped == [6, 6] and items == []
+    else:
+        assert looped == [] and items == every * 2
 
 
 def test_attention_soft_capping_is_refused() -> None:

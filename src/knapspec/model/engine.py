@@ -21,9 +21,9 @@ sublayer's output before the residual add), q/k norms, a GELU-tanh MLP, rotary t
 layer type, and sliding-window layers beside global ones
 (:mod:`knapspec.model.passes.sliding_window`). Gemma's norms (``1 + weight``, q/k norms included)
 run compiled as the Llama layout's do (:mod:`knapspec.model.kernels.layer_ops`), its MLP as the
-model's own module; the lean pass (:mod:`knapspec.model.passes.exact_pass`) serves its
-layers, windows included (the compiled layer loop computes the Llama layout only and
-declines them).
+model's own module; the lean pass (:mod:`knapspec.model.passes.exact_pass`) and the
+compiled layer loop (:mod:`knapspec.model.kernels.layer_loop`) serve its layers, windows
+included.
 
 Size: over 450 lines because full forwards, tree verification, single items and batched
 DP items share one attention and MLP implementation and the cache layout; the kernels,

@@ -287,16 +287,11 @@ class ExactLayerPass:
         call (:mod:`knapspec.model.kernels.layer_loop`, bitwise these items one by one), the
         executed attention items' K/V written; or None, nothing written, where that call
         does not serve this pass (the caller then runs the items)."""
-        engine = self.engine
-        if engine.sandwich_norms or engine.has_qk_norm or self.windows:
-            return None  # the compiled loop computes the Llama layout only
-        cos, sin = self.rotary[0]
         return layer_loop.run_layers(
             self.engine,
             self.cache.buffers,
             hidden,
-            cos,
-            sin,
+            self.rotary,
             self._write_rows,
             self._write_positions,
             self._packing,
@@ -304,6 +299,7 @@ class ExactLayerPass:
             self.rows,
             self.end,
             executed,
+            self.windows,
         )
 
     def attention_item(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor | None:
