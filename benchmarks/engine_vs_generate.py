@@ -1,20 +1,31 @@
-"""Plain decoding through the knapspec engine (γ = 0 every round) vs ``model.generate``.
+"""The knapspec engine, plain (γ = 0 every round) and with the default decoder, vs
+``model.generate``.
 
-Side by side in one process, interleaved pairs after a warm-up, prefill included, greedy,
-real SmolLM2-135M-Instruct and real text (the protocol of ``knapspec.bench.runner``). Checks
-token equality. Every line records the CPU, its vector flags, the BLAS and the engine's
-kernel table: the ratio holds for that machine only.
+Side by side in one process, interleaved triples after a warm-up (generate, plain,
+default; the order rotates each pair), prefill included, greedy, a real model and real
+text (the long-input prompts of ``knapspec.bench.prompts``: a novel's passage to
+summarise). The default decoder must equal plain decoding token for token (the run stops
+if not); whether the engine's tokens equal ``model.generate``'s is recorded, not required
+(another kernel sums in another order, and greedy decoding can turn on one ulp). Every
+line records the CPU, its vector flags, the BLAS, both dtypes and the engine's kernel
+table: a ratio holds for that machine only.
 
-    python benchmarks/engine_vs_generate.py [--contexts 512 2048 4096] [--pairs 3]
-        [--new-tokens 128] [--model gemma-3-270m]
+    python benchmarks/engine_vs_generate.py [--model gemma-3-270m] [--contexts 512 2048 4096]
+        [--pairs 3] [--new-tokens 128] [--dtype bfloat16] [--generate-dtype float32]
+
+``--dtype`` is the engine's (plain and default); ``--generate-dtype`` (default: the same)
+``model.generate``'s, on its own copy of the weights when they differ. Lines are appended to
+``results/engine/engine_vs_generate-<model>.jsonl``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,6 +35,18 @@ from knapspec.bench.prompts import long_input_prompt
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.model.loading.provision import load_model_and_tokenizer
 from knapspec.planners import AutoregressivePlanner
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: The systems timed per pair, in the first pair's order (later pairs rotate it).
+SYSTEMS = ("generate", "plain", "default")
+
+
+def _first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """The first index where token lists ``a`` and ``b`` differ (a length counts), or None."""
+    for index, (x, y) in enumerate(zip(a.tolist(), b.tolist(), strict=False)):
+        if x != y:
+            return index
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def main() -> None:
@@ -37,68 +60,99 @@ def main() -> None:
     parser.add_argument(
         "--model", default="default", help="a known model (default, gemma-3-270m) or a directory"
     )
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="the engine's")
     parser.add_argument(
-        "--output", type=Path, default=Path("results/engine/engine_vs_generate.jsonl")
+        "--generate-dtype", choices=DTYPES, default=None, help="model.generate's (default: --dtype)"
     )
+    parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
+    generate_dtype = args.generate_dtype or args.dtype
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model_and_tokenizer(args.model)
-    decoder = SpeculativeDecoder(model, planner=AutoregressivePlanner())
-    env = {**environment(model, args.threads), **kernel_record(decoder.engine)}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_model_and_tokenizer(args.model, dtype=DTYPES[generate_dtype])
+    engine_model = model
+    if args.dtype != generate_dtype:
+        engine_model = copy.deepcopy(model).to(DTYPES[args.dtype])
+    plain = SpeculativeDecoder(engine_model, planner=AutoregressivePlanner())
+    default = SpeculativeDecoder(engine_model)
+    name = getattr(model.config, "_name_or_path", "") or args.model
+    env = {
+        **environment(engine_model, args.threads),
+        **kernel_record(plain.engine),
+        "generate_dtype": generate_dtype,
+    }
+    output = args.output or Path(
+        f"results/engine/engine_vs_generate-{Path(str(name)).name or args.model}.jsonl"
+    )
+    output.parent.mkdir(parents=True, exist_ok=True)
     eos = model.generation_config.eos_token_id
 
     def hf(ids: torch.Tensor) -> tuple[float, torch.Tensor]:
         """``model.generate`` as users call it (greedy, stops at EOS)."""
         start = time.perf_counter()
         out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
+            ids.unsqueeze(0),
+            attention_mask=torch.ones_like(ids).unsqueeze(0),
             max_new_tokens=args.new_tokens,
             do_sample=False,
         )
-        return time.perf_counter() - start, out[0, ids.shape[1] :]
+        return time.perf_counter() - start, out[0, ids.shape[0] :]
 
-    def ours(ids: torch.Tensor) -> tuple[float, torch.Tensor]:
-        start = time.perf_counter()
-        out = decoder.generate(ids, max_new_tokens=args.new_tokens, eos_token_id=eos)
-        return time.perf_counter() - start, out.tokens
+    def ours(decoder: SpeculativeDecoder) -> Callable[[torch.Tensor], tuple[float, torch.Tensor]]:
+        def run(ids: torch.Tensor) -> tuple[float, torch.Tensor]:
+            start = time.perf_counter()
+            out = decoder.generate(ids, max_new_tokens=args.new_tokens, eos_token_id=eos)
+            return time.perf_counter() - start, out.tokens
 
-    rows = []
-    for context in args.contexts:
-        prompt = long_input_prompt(tokenizer, context, seed=context)
-        ids = prompt.unsqueeze(0)
+        return run
 
-        hf(ids), ours(ids)  # warm-up
-        ratios = []
-        for pair in range(args.pairs):
-            t_hf, tok_hf = hf(ids)
-            t_ours, tok_ours = ours(ids)
-            if not torch.equal(tok_hf, tok_ours):
-                raise SystemExit(f"LOSSLESSNESS FAILURE at context {context}: outputs differ")
-            ratios.append(t_hf / t_ours)
-            row = {
-                "context": context,
-                "pair": pair,
-                "generate_s": t_hf,
-                "engine_s": t_ours,
-                "speedup": t_hf / t_ours,
-                "new_tokens": len(tok_ours),
-                **env,
-            }
-            rows.append(row)
-            print(
-                json.dumps(
-                    {k: row[k] for k in ("context", "pair", "generate_s", "engine_s", "speedup")}
+    runners = {"generate": hf, "plain": ours(plain), "default": ours(default)}
+    with output.open("a") as handle:
+        for context in args.contexts:
+            prompt = long_input_prompt(tokenizer, context, seed=context)
+            for run in runners.values():  # warm-up
+                run(prompt)
+            ratios: dict[str, list[float]] = {"plain": [], "default": []}
+            for pair in range(args.pairs):
+                order = SYSTEMS[pair % 3 :] + SYSTEMS[: pair % 3]
+                seconds, tokens = {}, {}
+                for system in order:
+                    seconds[system], tokens[system] = runners[system](prompt)
+                if not torch.equal(tokens["default"], tokens["plain"]):
+                    raise SystemExit(
+                        f"LOSSLESSNESS FAILURE at context {context}: the default decoder's "
+                        f"tokens differ from plain decoding's at "
+                        f"{_first_difference(tokens['default'], tokens['plain'])}"
+                    )
+                row = {
+                    "context": context,
+                    "prompt_tokens": int(prompt.numel()),
+                    "pair": pair,
+                    "order": list(order),
+                    "generate_s": seconds["generate"],
+                    "engine_s": seconds["plain"],
+                    "default_s": seconds["default"],
+                    "speedup": seconds["generate"] / seconds["plain"],
+                    "default_speedup": seconds["generate"] / seconds["default"],
+                    "new_tokens": len(tokens["plain"]),
+                    "generate_new_tokens": len(tokens["generate"]),
+                    "engine_equals_generate": torch.equal(tokens["plain"], tokens["generate"]),
+                    "first_difference_from_generate": _first_difference(
+                        tokens["plain"], tokens["generate"]
+                    ),
+                    **env,
+                }
+                handle.write(json.dumps(row) + "\n")
+                handle.flush()
+                ratios["plain"].append(row["speedup"])
+                ratios["default"].append(row["default_speedup"])
+                keys = ("context", "pair", "generate_s", "engine_s", "default_s")
+                print(json.dumps({k: row[k] for k in keys}), flush=True)
+            for system, values in ratios.items():
+                print(
+                    f"context {context}: {system} / generate median {statistics.median(values):.3f}"
+                    f" (min {min(values):.3f}, max {max(values):.3f})",
+                    flush=True,
                 )
-            )
-        print(
-            f"context {context}: engine/generate speedup median {statistics.median(ratios):.3f} "
-            f"(min {min(ratios):.3f}, max {max(ratios):.3f})"
-        )
-    with args.output.open("w") as handle:
-        for row in rows:
-            handle.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

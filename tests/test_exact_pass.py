@@ -3,8 +3,10 @@
 The lean pass only reorganises the Python around the kernels (per-pass work done once),
 so every logit and every K/V entry must be bitwise what the general path writes, on every
 layout a batched pass takes: equal widths, ragged packed widths, a layer-skipping mask,
-float32 and bfloat16; where a layer does not fit (weights replaced after fusion, q/k norms)
-it must step aside for that layer and the results stay the same.
+float32 and bfloat16, Llama, Qwen2, Qwen3 (q/k norms), Mistral and Gemma 3 (a norm after
+each sublayer, a rotary table per layer type, sliding windows crossed, GELU-tanh); where a
+layer does not fit (weights replaced after fusion) it must step aside for that layer and
+the results stay the same.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Callable, Iterator
 import attrs
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from knapspec import testing
@@ -172,17 +174,19 @@ def test_a_layer_whose_weights_were_replaced_takes_the_general_path() -> None:
     assert ran == ["attention 0", "mlp 0", "mlp 1", "attention 2"]
 
 
-def test_q_k_norms_and_inexact_engines_keep_the_general_path() -> None:
-    """Qwen3's per-head q/k norms are not in the lean pass: it is not prepared, and the
-    general path runs (the pass still equals itself either way); an inexact engine's batched
-    passes and decode steps never take it."""
+def test_q_k_norms_take_the_lean_pass_and_inexact_engines_keep_the_general_path() -> None:
+    """Qwen3's per-head q/k norms run compiled on every path, the lean pass's too: a ragged
+    batched pass equals the general path through the lean pass at every layer; an inexact
+    engine's batched passes and decode steps never take it."""
     engine = _cached_engine("qwen3", torch.float32)
-    assert engine.has_qk_norm
-    with counting() as ran:
+    assert engine.has_qk_norm and engine.compiled_qk_norms
+    with counting(_batched) as ran:
         logits, buffers = batched_both_ways(
             engine, "lean_passes", [3, 5], torch.tensor([[1, 2], [3, 4]]), [2, 1]
         )
-        assert_bitwise(logits, buffers)
+    assert_bitwise(logits, buffers)
+    assert _attention(ran) == _every_layer(engine)
+    with counting() as ran:
         inexact = SublayerEngine(tiny_model("llama", 3), progress=False, exact=False)
         cache = new_batch_cache(inexact, 1, 8)
         forward_batch(inexact, torch.tensor([[1, 2]]), [0], cache)
@@ -280,3 +284,96 @@ def test_other_families_take_the_lean_pass_bitwise(family: str) -> None:
         )
     assert torch.equal(outputs[0].logits, outputs[1].logits)
     assert _attention(ran) == _every_layer(engine)
+
+
+# ------------------------------------------------------------------------------ Gemma 3
+#: Gemma's tiny model attends over a window of 8 tokens on its first two layers.
+GEMMA_WINDOW = 8
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    contexts=st.lists(st.integers(1, 30), min_size=1, max_size=3),
+    widths=st.lists(st.integers(1, 6), min_size=3, max_size=3),
+    ragged=st.booleans(),
+    bf16=st.booleans(),
+)
+@example(contexts=[30, 2, 7], widths=[6, 1, 2], ragged=True, bf16=False)  # inside and past
+@example(contexts=[12, 20], widths=[3, 3, 3], ragged=False, bf16=True)
+def test_gemma3_takes_the_lean_pass_bitwise_across_the_window(
+    contexts: list[int], widths: list[int], ragged: bool, bf16: bool
+) -> None:
+    """Gemma 3 (norms after each sublayer, q/k norms, a rotary table per layer type,
+    GELU-tanh, sliding layers whose rows inside the window share the pass's call and rows
+    past it are attended alone): a batched pass and a sequence's verification equal the
+    general path bit for bit, through the lean pass at every layer."""
+    engine = _cached_engine("gemma3", torch.bfloat16 if bf16 else torch.float32)
+    widths = widths[: len(contexts)] if ragged else [max(widths)] * len(contexts)
+    inputs = torch.tensor([[1 + row, 2, 3, 4, 5, 6][: max(widths)] for row in range(len(widths))])
+    with counting(_batched) as ran:
+        logits, buffers = batched_both_ways(
+            engine, "lean_passes", contexts, inputs, widths if ragged else None
+        )
+    assert_bitwise(logits, buffers)
+    assert _attention(ran) == _every_layer(engine)
+    prompt = torch.arange(contexts[0]) % VOCAB
+    step = torch.arange(widths[0]) + 40
+    with counting() as ran:
+        outputs, caches = sequence_both_ways(
+            engine, "lean_passes", prompt, lambda cache: engine.forward(step, contexts[0], cache)
+        )
+    assert torch.equal(outputs[0].logits, outputs[1].logits)
+    assert_caches_equal(caches)
+    assert _every_layer(engine)[0] in ran
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    context=st.integers(1, 30),
+    parents=st.lists(st.integers(0, 10), min_size=0, max_size=9),
+    bf16=st.booleans(),
+)
+@example(context=20, parents=[0, 1, 0, 3, 2, 1, 6, 7, 8], bf16=False)  # deeper than the window
+@example(context=4, parents=[0, 1, 2, 3, 4, 5], bf16=False)  # crosses it inside the tree
+def test_a_gemma3_token_tree_takes_the_lean_pass_bitwise_across_the_window(
+    context: int, parents: list[int], bf16: bool
+) -> None:
+    """A token tree on Gemma 3: where some node sees past the window every node is attended
+    alone over its visible keys inside the window, as the general path gathers them."""
+    engine = _cached_engine("gemma3", torch.bfloat16 if bf16 else torch.float32)
+    tree = [-1] + [min(parent, node) for node, parent in enumerate(parents)]
+    prompt = torch.arange(context + 1) % VOCAB
+    nodes = torch.arange(len(tree)) + 50
+    with counting() as ran:
+        outputs, caches = sequence_both_ways(
+            engine,
+            "lean_passes",
+            prompt,
+            lambda cache: engine.forward_tree(nodes, context + 1, tree, cache),
+        )
+    assert torch.equal(outputs[0].logits, outputs[1].logits)
+    assert_caches_equal(caches)
+    assert _attention(ran)[-engine.num_layers :] == _every_layer(engine)
+
+
+@pytest.mark.parametrize("check", ["batch", "tree"])
+def test_a_lean_pass_that_forgets_the_window_is_caught(
+    check: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Power: without the rows past the window attended alone (every row in the shared
+    call, over all its keys) the lean pass leaves the general path's logits."""
+    engine = _cached_engine("gemma3", torch.float32)
+    monkeypatch.setattr(exact_pass, "windowed_rows", lambda *args, **kwargs: None)
+    if check == "batch":
+        logits, _ = batched_both_ways(
+            engine, "lean_passes", [20, 3], torch.tensor([[1, 2], [3, 4]]), None
+        )
+    else:
+        outputs, _ = sequence_both_ways(
+            engine,
+            "lean_passes",
+            torch.arange(21),
+            lambda cache: engine.forward_tree(torch.tensor([1, 2, 3]), 21, [-1, 0, 0], cache),
+        )
+        logits = [output.logits for output in outputs]
+    assert not torch.equal(logits[0], logits[1])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 
+import attrs
 import pytest
 import torch
 from hypothesis import example, given
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 
 from knapspec.model.engine import SublayerEngine
 from knapspec.model.kernels.row_attention import attend_rows, kernel_available
-from knapspec.model.kernels.table import KERNELS, Kernel, KernelTable, blocked
+from knapspec.model.kernels.table import FUSION_GROUPS, KERNELS, Kernel, KernelTable, blocked
 from knapspec.model.passes.exact_pass import ExactLayerPass
 from knapspec.model.tuning.invariance import is_row_invariant, row_invariant_table
 from knapspec.testing.exactness import (
@@ -182,23 +183,43 @@ def _verify(check: str, engine: SublayerEngine) -> list[str]:
 MUTANT_DRIFT = float(os.environ.get("KNAPSPEC_MUTANT_DRIFT", "1e-6"))
 
 
+#: Per family, the weight shape the mutant product takes over (Llama's (64, 64) q/o; Gemma
+#: 3's down product, its one (d, ff) weight), and how its engine is built: Gemma's fuses
+#: gate/up at every row count so that the compiled loop serves it (a tiny model's measured
+#: table may not fuse).
+MUTANT_SHAPES = {"llama": (64, 64), "gemma3": (64, 128)}
+
+
+@functools.cache
+def _mutant_engine(family: str) -> SublayerEngine:
+    if family == "llama":
+        return _engine("llama", torch.float32)
+    engine = SublayerEngine(tiny_model(family))
+    table = engine.kernels
+    engine.use_kernels(
+        attrs.evolve(table, fuse={group: (True,) * table.max_rows for group in FUSION_GROUPS})
+    )
+    return engine
+
+
 @pytest.mark.parametrize("mutant", [False, True], ids=["control", "mutant"])
 @pytest.mark.parametrize("check", ["sequence", "batch", "tree"])
 @pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("family", sorted(MUTANT_SHAPES))
 def test_a_mutant_kernel_in_an_exact_engine_is_caught(
-    path: str, check: str, mutant: bool, monkeypatch: pytest.MonkeyPatch
+    family: str, path: str, check: str, mutant: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Bring back a row-count-dependent product behind the probe's back, on every path the
     engine verifies by, after the engine has already run (plans made, as in any suite
     order): the mutant must run there, and the contract check must fail. The control (the
     same kernel without the drift) runs there too and passes, so the drift alone is what
-    the check caught."""
-    engine = _engine("llama", torch.float32)
+    the check caught. Llama, and Gemma 3 past its window (its contexts cross it)."""
+    engine = _mutant_engine(family)
     with engine.use_paths(**PATHS[path]):
         assert _verify(check, engine) == []  # every plan made before the kernel changes
         spy = _PathSpy(monkeypatch)
         kernel = RowCountingKernel(MUTANT_DRIFT if mutant else 0.0, base=KERNELS["rowwise"])
-        with engine.substituted_products(kernel, [(64, 64)]):
+        with engine.substituted_products(kernel, [MUTANT_SHAPES[family]]):
             problems = _verify(check, engine)
     assert kernel.multi_row_calls > 0, "the kernel never ran over several rows"
     assert spy.took(path), f"the check did not run the {path} path"

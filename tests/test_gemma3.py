@@ -1,7 +1,6 @@
 """Gemma 3 through the engine: transformers' own ``Gemma3ForCausalLM`` forward is the oracle
 (float32, allclose), its sliding window crossed; the exactness contract past the window,
-in batches and token trees; the lean pass and the compiled layer loop decline Gemma's
-layers (they compute the Llama layout only) and the items run instead.
+in batches and token trees; the lean pass and the compiled layer loop serve Gemma's layers.
 
 The tiny model (:func:`knapspec.testing.tiny_model` ``"gemma3"``) has a window of 8 tokens
 on its first two layers and a global third, one K/V head for four query heads of 256, and
@@ -12,6 +11,7 @@ from __future__ import annotations
 
 import functools
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from knapspec.model.engine import SublayerEngine, UnsupportedModelError
 from knapspec.model.kernels import layer_loop
 from knapspec.model.kernels.row_attention import attend_rows
+from knapspec.model.kernels.table import FUSION_GROUPS
 from knapspec.model.passes import exact_pass, sliding_window
 from knapspec.model.passes.batched import forward_batch, new_batch_cache
 from knapspec.testing.exactness import batch_mismatches, verification_mismatches
@@ -59,7 +60,8 @@ def test_the_tiny_model_is_laid_out_as_gemma_3() -> None:
     assert engine.kv_groups == 4 and engine.head_dim == 256
     assert engine.attention_scale == 64**-0.5  # query_pre_attn_scalar, not head_dim
     assert engine.max_context == 256  # the window does not bound the context
-    assert not engine.compiled_norms  # 1 + w: the model's own modules run
+    # Gemma's 1 + w form runs compiled, its sandwich and q/k norms too (every path).
+    assert engine.compiled_norms and engine.compiled_qk_norms and engine.compiled_rotary
 
 
 @pytest.mark.parametrize(
@@ -173,18 +175,33 @@ def test_verification_equals_one_token_steps_across_the_window(
     assert problems == []
 
 
+@pytest.mark.parametrize("path", ["general", "lean"])
 def test_a_verification_that_ignores_the_window_fails_the_contract(
-    monkeypatch: pytest.MonkeyPatch,
+    path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Power: a mutant whose multi-row verification forgets the window (one-token steps
-    keep it) is caught by the contract check."""
-    real = sliding_window.attend_rows_windowed
+    keep it) is caught by the contract check, on the general path (the engine's windowed
+    attention) and on the lean pass (its plan of the rows past the window)."""
+    engine = _engine()
+    if path == "general":
+        real = sliding_window.attend_rows_windowed
 
-    def forgetful(query, keys, values, lengths, window, scale):  # type: ignore[no-untyped-def]
-        return real(query, keys, values, lengths, window if query.shape[1] == 1 else None, scale)
+        def forgetful(query, keys, values, lengths, window, scale):  # type: ignore[no-untyped-def]
+            return real(
+                query, keys, values, lengths, window if query.shape[1] == 1 else None, scale
+            )
 
-    monkeypatch.setattr("knapspec.model.engine.attend_rows_windowed", forgetful)
-    assert verification_mismatches(_engine(), _tokens(20, 1), _tokens(6, 2))
+        monkeypatch.setattr(engine, "lean_passes", False)
+        monkeypatch.setattr("knapspec.model.engine.attend_rows_windowed", forgetful)
+    else:
+        plan = exact_pass.windowed_rows
+
+        def forgets(inside, window, heads, scale, lengths, tree=None):  # type: ignore[no-untyped-def]
+            rows = lengths.shape[1] if lengths is not None else tree[1].numel()
+            return None if rows > 1 else plan(inside, window, heads, scale, lengths, tree)
+
+        monkeypatch.setattr(exact_pass, "windowed_rows", forgets)
+    assert verification_mismatches(engine, _tokens(20, 1), _tokens(6, 2))
 
 
 def test_windowed_rows_equal_their_slice_attended_alone() -> None:
@@ -249,41 +266,65 @@ def test_an_inexact_batch_is_each_row_alone_up_to_rounding(layout: str) -> None:
     torch.testing.assert_close(logits, torch.cat(alone), atol=2e-5, rtol=1e-4)
 
 
-# ------------------------------------------------------------ what declines Gemma's layers
-def test_the_lean_pass_and_the_layer_loop_decline_gemma(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Gemma's layers (a norm after each sublayer, q/k norms, GELU-tanh) are not what the
-    lean pass and the compiled loop compute: neither runs, the items do, and the logits
-    are transformers'."""
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the compiled layer loop must not run Gemma's layers")
-
-    monkeypatch.setattr(layer_loop, "run_layers", refuse)
-    prepared: list[object] = []
-    real_prepare = exact_pass.ExactLayerPass.prepare
-
-    def spy(*args: object, **kwargs: object) -> object:
-        result = real_prepare(*args, **kwargs)  # type: ignore[arg-type]
-        prepared.append(result)
-        return result
-
-    monkeypatch.setattr(exact_pass.ExactLayerPass, "prepare", spy)
-    engine = _engine()
-    ids = _tokens(16, 7)
-    cache = engine.new_cache(16)
-    assert (
-        engine._lean_pass(10, 3, *engine.rotary(torch.arange(10, 13), torch.ones(1)), cache) is None
+# -------------------------------------------------- the lean pass and the compiled loop
+@pytest.mark.parametrize("path", ["layer-loop", "lean-items"])
+def test_the_lean_pass_and_the_layer_loop_serve_gemma(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A verification past the window and a batched pass take the compiled layer loop (or,
+    with it off, the lean pass's items at every layer) and equal transformers."""
+    engine = SublayerEngine(_model(), progress=False)
+    table = engine.kernels  # fused q/k/v and gate/up at every row count: what both serve
+    engine.use_kernels(
+        attrs.evolve(table, fuse={group: (True,) * table.max_rows for group in FUSION_GROUPS})
     )
-    engine.forward(ids[:10], 0, cache)
-    got = engine.forward(ids[10:], 10, cache).logits  # a verification: items, not the loop
+    looped: list[int] = []
+    real_run = layer_loop.run_layers
+
+    def run(*args: object, **kwargs: object) -> object:
+        out = real_run(*args, **kwargs)  # type: ignore[arg-type]
+        looped.extend([] if out is None else [out.numel() // out.shape[-1]])
+        return out
+
+    monkeypatch.setattr(layer_loop, "run_layers", run)
+    items: list[str] = []
+    real_attention, real_mlp = (
+        exact_pass.ExactLayerPass.attention_item,
+        exact_pass.ExactLayerPass.mlp_item,
+    )
+
+    def attention(lean: exact_pass.ExactLayerPass, layer: int, hidden: torch.Tensor) -> object:
+        out = real_attention(lean, layer, hidden)
+        items.extend([] if out is None else [f"attention {layer}"])
+        return out
+
+    def mlp(lean: exact_pass.ExactLayerPass, layer: int, hidden: torch.Tensor) -> object:
+        out = real_mlp(lean, layer, hidden)
+        items.extend([] if out is None else [f"mlp {layer}"])
+        return out
+
+    monkeypatch.setattr(exact_pass.ExactLayerPass, "attention_item", attention)
+    monkeypatch.setattr(exact_pass.ExactLayerPass, "mlp_item", mlp)
+    ids = _tokens(16, 7)
+    with engine.use_paths(compiled_loop=path == "layer-loop"):
+        cache = engine.new_cache(16)
+        engine.forward(ids[:10], 0, cache)
+        got = engine.forward(ids[10:], 10, cache).logits  # a verification past the window
+        batch = new_batch_cache(engine, 2, 20)
+        for row in range(2):
+            single = engine.new_cache(20)
+            engine.forward(ids[:10], 0, single, all_logits=False)
+            batch.load_row(row, single, 10)
+        logits = forward_batch(engine, ids[10:13].repeat(2, 1), [10, 10], batch)
     torch.testing.assert_close(got, _reference(ids)[10:], atol=2e-5, rtol=1e-4)
-    batch = new_batch_cache(engine, 2, 20)
-    for row in range(2):
-        single = engine.new_cache(20)
-        engine.forward(ids[:10], 0, single, all_logits=False)
-        batch.load_row(row, single, 10)
-    forward_batch(engine, ids[10:13].repeat(2, 1), [10, 10], batch)
-    assert prepared == [None]  # the batch asked, and was declined
+    torch.testing.assert_close(logits[1], _reference(ids[:13])[10:], atol=2e-5, rtol=1e-4)
+    every = [
+        f"{kind} {layer}" for layer in range(engine.num_layers) for kind in ("attention", "mlp")
+    ]
+    if path == "layer-loop":
+        assert looped == [6, 6] and items == []
+    else:
+        assert looped == [] and items == every * 2
 
 
 def test_attention_soft_capping_is_refused() -> None:

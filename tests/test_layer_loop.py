@@ -7,8 +7,10 @@ every logit and every K/V entry must be bitwise the items': batched passes with 
 ragged widths, a sequence's decode and verification steps, token trees, bfloat16 (packed
 products, SiLU from the table or the callback) and float32 (``row-linear``, SiLU through
 the callback), layer-skipping masks, kernels C cannot call (through the product callback),
-Llama, Qwen2 (biases) and Mistral; a step that captures hidden states must keep the items,
-and where weights changed after it planned, it must plan again.
+Llama, Qwen2 (biases), Qwen3 (q/k norms), Mistral and Gemma 3 (norms scaled by ``1 + w``
+after each sublayer too, a rotary table per layer type, GELU-tanh, sliding windows crossed
+in batches, sequences and token trees); a step that captures hidden states must keep the
+items, and where weights changed after it planned, it must plan again.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import attrs
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from knapspec import testing
@@ -208,12 +210,13 @@ def test_a_token_tree_through_the_loop_is_bitwise_its_items(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
 def test_other_families_through_the_loop_are_bitwise_their_items(
     family: str, dtype: torch.dtype
 ) -> None:
-    """Qwen2 (q/k/v biases, passed to the fused product) and Mistral: a ragged batched pass
-    and a sequence's verification, through the loop, bitwise the items."""
+    """Qwen2 (q/k/v biases, passed to the fused product), Qwen3 (per-head q/k norms) and
+    Mistral: a ragged batched pass and a sequence's verification, through the loop, bitwise
+    the items."""
     engine = _engine(family, dtype)
     with looped() as ran:
         logits, buffers = batched_both_ways(
@@ -312,7 +315,7 @@ def test_bf16_without_the_table_runs_silu_through_the_callback_bitwise(
 ) -> None:
     """Where the SiLU table does not hold for a model's layout, the bfloat16 loop runs
     PyTorch's SiLU through its callback instead, still bitwise the items."""
-    monkeypatch.setattr(layer_loop, "silu_table", lambda feed_width: None)
+    monkeypatch.setattr(layer_loop, "activation_table", lambda activation, feed_width: None)
     model = testing.tiny_model("llama", 3, 0).to(torch.bfloat16)
     engine = SublayerEngine(model, progress=False)
     engine.use_kernels(_engine().kernels)
@@ -328,22 +331,22 @@ def test_bf16_without_the_table_runs_silu_through_the_callback_bitwise(
 def test_a_pass_that_fails_in_the_loop_raises_and_the_engine_goes_on(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A failure inside the loop (here PyTorch's SiLU raising in the callback) raises a
+    """A failure inside the loop (here the model's SiLU raising in the callback) raises a
     RuntimeError that names the step, leaves the cache's lengths where they were, and the
     next step runs and equals the items'."""
     model = testing.tiny_model("llama", 3, 0).to(dtype)
     engine = SublayerEngine(model, progress=False)
     engine.use_kernels(_engine("llama", dtype).kernels)
-    monkeypatch.setattr(layer_loop, "silu_table", lambda feed_width: None)
+    monkeypatch.setattr(layer_loop, "activation_table", lambda activation, feed_width: None)
     cache = engine.new_cache(16)
     engine.forward(torch.tensor([1, 2, 3]), 0, cache, all_logits=False)
 
-    def broken(x: torch.Tensor) -> torch.Tensor:
+    def broken(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("injected")
 
     with monkeypatch.context() as patch:
-        patch.setattr(layer_loop.F, "silu", broken)
-        with pytest.raises(RuntimeError, match="failed in its SiLU"):
+        patch.setattr(type(engine.layers[0].mlp.act_fn), "forward", broken)
+        with pytest.raises(RuntimeError, match="failed in its activation"):
             engine.forward(torch.tensor([4]), 3, cache)
     assert cache.lengths == [3] * engine.num_layers
     on = engine.forward(torch.tensor([4]), 3, cache).logits
@@ -408,3 +411,123 @@ def test_ctrl_c_inside_a_callback_is_raised_when_the_loop_returns() -> None:
     assert sent
     cache.crop(3)
     assert engine.forward(torch.tensor([4]), 3, cache).logits.isfinite().all()
+
+
+# ------------------------------------------------------------------------------ Gemma 3
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=12, deadline=None)
+@given(
+    contexts=st.lists(st.integers(1, 30), min_size=1, max_size=3),
+    widths=st.lists(st.integers(1, 6), min_size=3, max_size=3),
+    ragged=st.booleans(),
+)
+@example(contexts=[30, 2, 7], widths=[6, 1, 2], ragged=True)  # rows inside and past
+@example(contexts=[12, 20], widths=[3, 3, 3], ragged=False)
+def test_gemma3_batches_and_steps_through_the_loop_are_bitwise_its_items(
+    dtype: torch.dtype, contexts: list[int], widths: list[int], ragged: bool
+) -> None:
+    """Gemma 3 (q/k norms, ``1 + w`` norms before and after each sublayer, a rotary table
+    per layer type, GELU-tanh from the table or the callback, sliding layers whose rows
+    past the window are attended alone): a batched pass and a sequence's verification
+    through the loop, bitwise the items."""
+    engine = _engine("gemma3", dtype)
+    widths = widths[: len(contexts)] if ragged else [max(widths)] * len(contexts)
+    inputs = torch.tensor([[1 + row, 2, 3, 4, 5, 6][: max(widths)] for row in range(len(widths))])
+    with looped() as ran:
+        logits, buffers = batched_both_ways(
+            engine, "compiled_loop", contexts, inputs, widths if ragged else None
+        )
+    assert_bitwise(logits, buffers)
+    assert sum(widths) in ran  # (a one-token prefill of a row runs through it too)
+    prompt = torch.arange(contexts[0]) % VOCAB
+    step = torch.arange(widths[0]) + 40
+    with looped() as ran:
+        outputs, caches = sequence_both_ways(
+            engine, "compiled_loop", prompt, lambda cache: engine.forward(step, contexts[0], cache)
+        )
+    assert torch.equal(outputs[0].logits, outputs[1].logits)
+    assert_caches_equal(caches)
+    assert widths[0] in ran
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=10, deadline=None)
+@given(context=st.integers(1, 30), parents=st.lists(st.integers(0, 10), min_size=0, max_size=9))
+@example(context=20, parents=[0, 1, 0, 3, 2, 1, 6, 7, 8])  # every node past the window
+@example(context=4, parents=[0, 1, 2, 3, 4, 5])  # the window crossed inside the tree
+def test_a_gemma3_token_tree_through_the_loop_is_bitwise_its_items(
+    dtype: torch.dtype, context: int, parents: list[int]
+) -> None:
+    """A token tree on Gemma 3: where a node sees past the window every node's visible keys
+    inside it are gathered and attended alone, in C as in the lean items."""
+    engine = _engine("gemma3", dtype)
+    tree = [-1] + [min(parent, node) for node, parent in enumerate(parents)]
+    prompt = torch.arange(context + 1) % VOCAB
+    nodes = torch.arange(len(tree)) + 50
+    with looped() as ran:
+        outputs, caches = sequence_both_ways(
+            engine,
+            "compiled_loop",
+            prompt,
+            lambda cache: engine.forward_tree(nodes, context + 1, tree, cache),
+        )
+    assert torch.equal(outputs[0].logits, outputs[1].logits)
+    assert_caches_equal(caches)
+    assert len(tree) in ran
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=8, deadline=None)
+@given(executed=st.lists(st.booleans(), min_size=6, max_size=6))
+def test_a_layer_skipping_mask_runs_gemma3_through_the_loop_bitwise(
+    dtype: torch.dtype, executed: list[bool]
+) -> None:
+    """A draft pass under a sublayer mask on Gemma 3, past the window: bitwise the items."""
+    engine = _engine("gemma3", dtype)
+    mask = SublayerMask(tuple(executed))
+    with looped() as ran:
+        logits, buffers = batched_both_ways(
+            engine, "compiled_loop", [4, 19], torch.tensor([[5, 6], [7, 8]]), [2, 1], mask
+        )
+    assert_bitwise(logits, buffers)
+    assert ran == [3]
+
+
+@needs_packed
+def test_gemma3_in_bf16_reads_gelu_tanh_from_its_table_or_calls_it_back_bitwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The GELU-tanh table holds for the tiny Gemma's layout (the loop reads it); without
+    it the loop calls the model's activation back: bitwise the items either way."""
+    engine = _engine("gemma3", torch.bfloat16)
+    activation = engine.layers[0].mlp.act_fn
+    table = layer_loop.activation_table(activation, 128)
+    assert table is not None
+    patterns = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    assert torch.equal(table.view(torch.int16), activation(patterns).view(torch.int16))
+    for held in (True, False):
+        if not held:
+            monkeypatch.setattr(layer_loop, "activation_table", lambda activation, width: None)
+            engine.use_kernels(engine.kernels)  # plan again
+        with looped() as ran:
+            logits, buffers = batched_both_ways(
+                engine, "compiled_loop", [3, 20], torch.tensor([[1, 2], [3, 4]]), [2, 1]
+            )
+        assert_bitwise(logits, buffers)
+        assert ran == [3]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_loop_that_forgets_the_window_is_caught(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Power: a loop that attends every row in the shared call, over all its keys (no
+    window plans), leaves the items' logits."""
+    engine = _engine("gemma3", dtype)
+    monkeypatch.setattr(layer_loop, "_window_plans", lambda *args: (None, [], 0))
+    with looped() as ran:
+        logits, _ = batched_both_ways(
+            engine, "compiled_loop", [20, 3], torch.tensor([[1, 2], [3, 4]]), None
+        )
+    assert ran == [4]
+    assert not torch.equal(logits[0], logits[1])

@@ -17,6 +17,7 @@ from torch import nn
 from knapspec.model.engine import SublayerEngine
 from knapspec.model.kernels import layer_ops
 from knapspec.model.kernels.layer_ops import (
+    apply_norm,
     available,
     rms_norm,
     rotary_,
@@ -28,7 +29,7 @@ from knapspec.testing.exactness import verification_mismatches
 from knapspec.testing.models import tiny_model
 
 DTYPES = (torch.float32, torch.bfloat16)
-FAMILIES = ("llama", "qwen3")
+FAMILIES = ("llama", "qwen3", "gemma3")
 CONTEXT, DRAFTED = torch.tensor([5, 17, 3, 88, 41]), torch.tensor([9, 60, 2, 33, 71, 12])
 
 
@@ -131,6 +132,37 @@ def test_rms_norm_is_row_invariant_and_within_an_ulp_of_the_models(
         expected = norm(x)
     ulp = torch.finfo(dtype).eps
     torch.testing.assert_close(together, expected, rtol=2 * ulp, atol=2 * ulp * scale)
+
+
+@given(
+    dtype=st.sampled_from(DTYPES),
+    rows=st.integers(1, 9),
+    width=st.integers(1, 300),
+    scale=st.sampled_from([1e-3, 1.0, 30.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_gemmas_norm_is_row_invariant_and_within_an_ulp_of_the_models(
+    dtype: torch.dtype, rows: int, width: int, scale: float, seed: int
+) -> None:
+    """Gemma's form (``1 + weight`` in float32, one cast at the end): each row of a
+    many-row call bitwise the row alone, and HF's ``Gemma3RMSNorm`` to the last place."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    generator = torch.Generator().manual_seed(seed)
+    norm = Gemma3RMSNorm(width, eps=1e-6).to(dtype)
+    norm.weight.data = torch.randn(width, generator=generator).to(dtype)
+    x = (torch.randn(rows, width, generator=generator) * scale).to(dtype)
+    assert serves_norms([norm], dtype)
+    together = apply_norm(norm, x)
+    for row in range(rows):
+        assert torch.equal(together[row], apply_norm(norm, x[row : row + 1])[0])
+    with torch.inference_mode():
+        expected = norm(x)
+    ulp = torch.finfo(dtype).eps
+    torch.testing.assert_close(together, expected, rtol=2 * ulp, atol=2 * ulp * scale)
+    # The Llama form on the same weight is another function: the offset is not ignored.
+    llama_form = rms_norm(x, norm.weight, 1e-6)
+    assert not torch.allclose(llama_form.float(), expected.float(), rtol=1e-2, atol=1e-2)
 
 
 def test_rms_norm_keeps_nan_and_reads_a_strided_row() -> None:

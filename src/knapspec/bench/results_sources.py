@@ -152,26 +152,33 @@ def _paired(
 
 
 def engine_vs_generate(root: Path) -> Iterator[Figure]:
-    """``benchmarks/engine_vs_generate.py``: the plain engine over ``model.generate``."""
-    path = root / "engine" / "engine_vs_generate.jsonl"
-    if not path.exists():
-        return
-    records = read_lines(path)
-    for (cpu, dtype), group in _groups(records, lambda r: (cpu_class(r), r["dtype"])).items():
-        commit = latest_commit(group)
-        group = [r for r in group if r["commit"] == commit]
-        for (context,), rows in _groups(group, lambda r: (r["context"],)).items():
-            yield Figure(
-                "engine vs generate",
-                cpu,
-                dtype,
-                commit,
-                f"~{context} prompt tokens: plain engine / model.generate",
-                tuple(r["speedup"] for r in rows),
-                "x",
-                "python benchmarks/engine_vs_generate.py",
-                str(path.relative_to(root.parent)),
-            )
+    """``benchmarks/engine_vs_generate.py``: the plain engine (and, where recorded, the
+    default decoder) over ``model.generate``, per model, CPU class and dtype."""
+    for path in sorted((root / "engine").glob("engine_vs_generate*.jsonl")):
+        records = read_lines(path)
+        keyed = _groups(records, lambda r: (r.get("model", "?"), cpu_class(r), r["dtype"]))
+        for (model, cpu, dtype), group in keyed.items():
+            commit = latest_commit(group)
+            group = [r for r in group if r["commit"] == commit]
+            for (context,), rows in _groups(group, lambda r: (r["context"],)).items():
+                against = f"model.generate {rows[0].get('generate_dtype', dtype)}"
+                systems = [("speedup", "plain engine")]
+                if all("default_speedup" in r for r in rows):
+                    systems.append(("default_speedup", "default decoder"))
+                for key, system in systems:
+                    yield Figure(
+                        "engine vs generate",
+                        cpu,
+                        dtype,
+                        commit,
+                        f"{model}, ~{context} prompt tokens: {system} / {against}",
+                        tuple(r[key] for r in rows),
+                        "x",
+                        f"python benchmarks/engine_vs_generate.py --model {model}"
+                        if path.name != "engine_vs_generate.jsonl"
+                        else "python benchmarks/engine_vs_generate.py",
+                        str(path.relative_to(root.parent)),
+                    )
 
 
 def bench_runs(root: Path) -> Iterator[Figure]:

@@ -19,9 +19,11 @@ norm, MLP) with full causal attention — Llama, Mistral, Qwen2, Qwen3 — and G
 (``gemma3_text``): a norm before and after each sublayer (the one after applied to the
 sublayer's output before the residual add), q/k norms, a GELU-tanh MLP, rotary tables per
 layer type, and sliding-window layers beside global ones
-(:mod:`knapspec.model.passes.sliding_window`). Gemma's norms and MLP run as the model's own
-modules; its layers take the general item path (the lean pass and the compiled layer loop
-serve the Llama layout only and decline them).
+(:mod:`knapspec.model.passes.sliding_window`). Gemma's norms (``1 + weight``, q/k norms included)
+run compiled as the Llama layout's do (:mod:`knapspec.model.kernels.layer_ops`), its MLP as the
+model's own module; the lean pass (:mod:`knapspec.model.passes.exact_pass`) and the
+compiled layer loop (:mod:`knapspec.model.kernels.layer_loop`) serve its layers, windows
+included.
 
 Size: over 450 lines because full forwards, tree verification, single items and batched
 DP items share one attention and MLP implementation and the cache layout; the kernels,
@@ -379,17 +381,22 @@ class SublayerEngine:
         #: Whether batch caches write K/V through one compiled copy (bitwise; any engine).
         self.compiled_writes: bool = compiled_layer_ops and self.device.type == "cpu"
         self._paths = paths if paths is not None else EnginePaths()
-        # Gemma's norms scale by 1 + w: its modules run (and serves_norms says no too).
-        compiled = (
-            compiled_layer_ops and exact and self.device.type == "cpu" and not self.sandwich_norms
-        )
-        norms = [
-            norm
-            for layer in self.layers
-            for norm in (layer.input_layernorm, layer.post_attention_layernorm)
-        ]
+        compiled = compiled_layer_ops and exact and self.device.type == "cpu"
+        norm_names: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+        if self.sandwich_norms:
+            norm_names += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+        norms = [getattr(layer, name) for layer in self.layers for name in norm_names]
         #: Whether the layers' RMSNorms run as one compiled call each (every path).
         self.compiled_norms: bool = compiled and serves_norms(norms, self.dtype)
+        qk_norms = [
+            getattr(layer.self_attn, name)
+            for layer in self.layers
+            for name in ("q_norm", "k_norm")
+            if self._has_qk_norm
+        ]
+        #: Whether the per-head q/k RMSNorms (Qwen3, Gemma 3) run as one compiled call each
+        #: (every path).
+        self.compiled_qk_norms: bool = compiled and serves_norms(qk_norms, self.dtype)
         #: Whether rotary runs in place as one compiled call (bitwise the model's).
         self.compiled_rotary: bool = compiled and serves_rotary(
             self._apply_rotary, self.num_heads, self.kv_heads, self.head_dim, self.dtype
@@ -828,7 +835,9 @@ class SublayerEngine:
             query = self.project(attn.q_proj, normed, prefill).view(shape)
             key = self.project(attn.k_proj, normed, prefill).view(shape)
             value = self.project(attn.v_proj, normed, prefill).view(shape)
-        if self._has_qk_norm:
+        if self.compiled_qk_norms:
+            query, key = apply_norm(attn.q_norm, query), apply_norm(attn.k_norm, key)
+        elif self._has_qk_norm:
             query = attn.q_norm(query)
             key = attn.k_norm(key)
         if self.compiled_rotary and rotary_(query, key, cos, sin):
@@ -1225,20 +1234,16 @@ class SublayerEngine:
         of ``q_len <= EXACT_MAX_QUERIES`` tokens or a token tree at ``start`` (where
         :meth:`_attention_item` attends through the row-invariant kernel); None for a
         prefill, an inexact engine, or where it does not serve."""
-        if (
-            not self.exact
-            or self.sandwich_norms  # the lean pass computes the Llama layout only
-            or q_len > EXACT_MAX_QUERIES
-            or (start == 0 and q_len > 1)
-        ):
+        if not self.exact or q_len > EXACT_MAX_QUERIES or (start == 0 and q_len > 1):
             return None
         cache.reserve(start + q_len)
         slots = torch.arange(start, start + q_len)
         index = (torch.zeros(q_len, dtype=torch.int64), slots)
         lengths = (slots + 1).unsqueeze(0) if tree is None else None
         rows = (tree.prefix, tree.visible) if tree is not None else None
+        positions = tree.positions if tree is not None else None
         return ExactLayerPass.prepare(
-            self, cache, self.compiled_writes, cos, sin, index, lengths, None, rows
+            self, cache, self.compiled_writes, cos, sin, index, lengths, None, rows, positions
         )
 
     @torch.inference_mode()

@@ -9,18 +9,29 @@ out still took 3.5 of a 13.7 ms one-token step, 3.9 of a 15.8 ms five-token veri
 :func:`run_layers` hands the whole layer loop to one C function that calls the same
 kernels through their function pointers with the same arguments, and does the steps
 between them as PyTorch does them: the residual adds in the pass's dtype (in bfloat16 in
-float32, rounded once), and SiLU times up either from a table of ``F.silu``'s own outputs
-for all 65,536 bfloat16 inputs (checked against ``F.silu`` in the layout the layer runs
-it in: PyTorch's scalar path, which finishes rows of other widths, rounds some inputs
-otherwise) or, in float32 or where the table does not hold, through a callback that runs
-PyTorch's own SiLU and product on the loop's buffers. Every output and K/V entry is bitwise
-the Python loop's (the tests compare them).
+float32, rounded once), and the activation (SiLU, or Gemma's GELU-tanh) times up either
+from a table of the layer's own activation's outputs for all 65,536 bfloat16 inputs
+(checked against it in the layout the layer runs it in: PyTorch's scalar path, which
+finishes rows of other widths, rounds some inputs otherwise) or, in float32 or where the
+table does not hold, through a callback that runs the activation module and PyTorch's
+product on the loop's buffers. Every output and K/V entry is bitwise the Python loop's
+(the tests compare them).
 
-It serves full passes and layer-skipping draft passes (a sublayer mask: the skipped items
-neither run nor write K/V) whose layers run fused q/k/v and gate/up products; a product on
-a kernel C cannot call runs through a callback. Where it does not fit (weights replaced
-since the fusion, another MLP) it returns None and the caller runs the Python loop; a pass
-that captures hidden states never asks.
+It serves the Llama layout and Gemma 3's (per-head q/k norms, norms scaled by ``1 + w``, a
+norm after each sublayer, a rotary table per layer type, sliding-window layers: the rows
+past a window attended alone as the lean pass plans them,
+:func:`~knapspec.model.passes.sliding_window.windowed_rows`), full passes and
+layer-skipping draft passes (a sublayer mask: the skipped items neither run nor write
+K/V) whose layers run fused q/k/v and gate/up products; a product on a kernel C cannot
+call runs through a callback. Where it does not fit (weights replaced since the fusion,
+another MLP or activation, norms of two forms) it returns None and the caller runs the
+Python loop; a pass that captures hidden states never asks.
+
+Size: over 450 lines because the per-engine plan (the pointers and epsilons of every
+layer, in ``csrc/layer_loop.c``'s slot order), the per-pass tables (rotary, window plans)
+and the call they feed share one argument layout, and the callbacks live beside the call
+that installs them; the plan (``_Plan`` with ``_product`` and the activation tables) is
+the seam along which to split it.
 """
 
 from __future__ import annotations
@@ -30,25 +41,32 @@ import ctypes
 import signal
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers.activations import SiLUActivation
+from transformers.activations import GELUTanh, SiLUActivation
 
 from knapspec.model.kernels import layer_ops, row_attention, row_linear
 from knapspec.model.kernels.compiled import CompiledLibrary
 from knapspec.model.kernels.fusion import FusedProjection
 
+if TYPE_CHECKING:
+    from knapspec.model.passes.sliding_window import WindowedRows
+
 #: Pointers per layer and sizes per pass, as ``csrc/layer_loop.c`` lays them out.
-_LAYER_SLOTS, _SIZES = 18, 16
+_LAYER_SLOTS, _SIZES = 22, 18
+#: Norm epsilons per layer (input, MLP input, q, k, attention output, MLP output).
+_EPS_SLOTS = 6
+#: Activations the loop computes (a table of the module's own outputs, or the module called
+#: back): each elementwise, the same for every layer of one class.
+_ACTIVATIONS = (SiLUActivation, nn.SiLU, GELUTanh)
 #: How the loop runs a product (``csrc/layer_loop.c``'s PACKED, ROW_LINEAR, CALLBACK): a C
 #: kernel with either argument convention, or a kernel C cannot call, through a callback.
 _PACKED, _ROW_LINEAR, _CALLBACK = 0, 1, 2
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-#: ``activate(gate_up, gated, tokens) -> status``, the loop's callback for SiLU times up.
+#: ``activate(gate_up, gated, tokens) -> status``, the loop's callback for act times up.
 _ACTIVATE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
 #: ``product(layer, which, x, out, tokens) -> status``, its callback for other kernels.
 _PRODUCT = ctypes.CFUNCTYPE(
@@ -89,8 +107,12 @@ _STEPS = (
     "output product",
     "post-attention RMSNorm",
     "gate/up product",
-    "SiLU",
+    "activation",
     "down product",
+    "q/k norms",
+    "attention output's norm",
+    "MLP output's norm",
+    "windowed attention",
 )
 
 
@@ -103,6 +125,11 @@ class LoopEngine(Protocol):
     kv_heads: int
     head_dim: int
     layers: list[Any]
+    sandwich_norms: bool
+    windows: list[int | None]
+
+    @property
+    def has_qk_norm(self) -> bool: ...
 
     def fusion(
         self, group: str, layer_index: int, rows: int
@@ -119,27 +146,33 @@ def _address(library: ctypes.CDLL, name: str) -> int:
     return address
 
 
-_silu: torch.Tensor | None = None
+_tables: dict[type, torch.Tensor] = {}
 
 
-def silu_table(feed_width: int) -> torch.Tensor | None:
-    """``F.silu`` of every bfloat16 bit pattern, ``(65536,)`` bfloat16 indexed by the
-    pattern, or None where ``F.silu`` over rows of ``feed_width`` gates read from a fused
-    gate/up output (the layout the layer runs it in) does not give exactly those values
-    (its vector and scalar paths may round differently; the table holds the vector path's).
-    """
-    global _silu
-    if _silu is None:
+def activation_table(activation: nn.Module, feed_width: int) -> torch.Tensor | None:
+    """``activation`` (an elementwise module of :data:`_ACTIVATIONS`) of every bfloat16 bit
+    pattern, ``(65536,)`` bfloat16 indexed by the pattern, or None where the module over
+    rows of ``feed_width`` gates read from a fused gate/up output (the layout the layer
+    runs it in) does not give exactly those values (its vector and scalar paths may round
+    differently; the table holds the vector path's)."""
+    kind = type(activation)
+    if kind not in _tables:
         patterns = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-        _silu = F.silu(patterns)
+        _tables[kind] = activation(patterns)
+    table = _tables[kind]
     rows = -(-65536 // feed_width)
     patterns = torch.arange(rows * feed_width, dtype=torch.int32) % 65536
     fused = torch.zeros(rows, 2 * feed_width, dtype=torch.bfloat16)
     fused[:, :feed_width] = patterns.to(torch.int16).view(torch.bfloat16).view(rows, feed_width)
-    expected = _silu.view(torch.int16)[patterns.view(rows, feed_width)]
-    if not torch.equal(F.silu(fused[:, :feed_width]).view(torch.int16), expected):
+    expected = table.view(torch.int16)[patterns.view(rows, feed_width)]
+    if not torch.equal(activation(fused[:, :feed_width]).view(torch.int16), expected):
         return None
-    return _silu
+    return table
+
+
+def silu_table(feed_width: int) -> torch.Tensor | None:
+    """:func:`activation_table` of ``F.silu`` (the Llama layout's activation)."""
+    return activation_table(nn.SiLU(), feed_width)
 
 
 def _product(
@@ -174,6 +207,23 @@ def _product(
     return weight, bias, 0, _CALLBACK  # the kernel itself, called back (it may pad, pack)
 
 
+def _layer_norms(engine: LoopEngine, layer: Any) -> list[nn.Module | None]:
+    """A layer's norms in the loop's order (input, MLP input, q, k, attention output, MLP
+    output), None where the layer has none of that kind."""
+    attention = layer.self_attn
+    qk = [attention.q_norm, attention.k_norm] if engine.has_qk_norm else [None, None]
+    if engine.sandwich_norms:  # Gemma 3: post_attention_layernorm normalises the output
+        outputs = [layer.post_attention_layernorm, layer.post_feedforward_layernorm]
+        return [layer.input_layernorm, layer.pre_feedforward_layernorm, *qk, *outputs]
+    return [layer.input_layernorm, layer.post_attention_layernorm, *qk, None, None]
+
+
+def _epsilon(norm: nn.Module | None) -> float | None:
+    """An RMSNorm's epsilon (``variance_epsilon``, or Gemma's ``eps``)."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return eps if isinstance(eps, float) else None
+
+
 class _Plan:
     """One engine's layer pointers for passes of one token count, with what they were made
     from (:meth:`current` says whether they still hold)."""
@@ -194,6 +244,8 @@ class _Plan:
         library = row_linear.LIBRARY.load()
         if library is None or not engine.layers:
             return
+        activation = getattr(engine.layers[0].mlp, "act_fn", None)
+        forms: set[bool] = set()
         for index, layer in enumerate(engine.layers):
             mlp, attention = layer.mlp, layer.self_attn
             qkv = engine.fusion("qkv", index, tokens)
@@ -206,7 +258,8 @@ class _Plan:
                 or qkv[0].sizes != (width, kv_width, kv_width)
                 or len(gate_up[0].sizes) != 2
                 or gate_up[0].sizes[0] != gate_up[0].sizes[1]
-                or type(getattr(mlp, "act_fn", None)) not in (SiLUActivation, nn.SiLU)
+                or type(activation) not in _ACTIVATIONS
+                or type(getattr(mlp, "act_fn", None)) is not type(activation)
                 or (index and gate_up[0].sizes[0] != feed_width)
             ):
                 return
@@ -218,9 +271,14 @@ class _Plan:
                 (engine.project_kernel(down, tokens), down.weight, down.bias),
             )
             products = [_product(k, w, b, library) for k, w, b in kernels]
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            for norm in norms:
-                self._sources.append((norm, "weight", norm.weight, norm.weight._version))
+            norms = _layer_norms(engine, layer)
+            present = [norm for norm in norms if norm is not None]
+            forms |= {type(norm).__name__ in layer_ops.UNIT_OFFSET_NORMS for norm in present}
+            if len(forms) > 1 or any(_epsilon(norm) is None for norm in present):
+                return  # the loop runs one norm form
+            norm_weights = [cast(torch.Tensor, norm.weight) for norm in present]
+            for norm, weight in zip(present, norm_weights, strict=True):
+                self._sources.append((norm, "weight", weight, weight._version))
             for module in (o_proj, down):
                 self._sources.append((module, "weight", module.weight, module.weight._version))
             for fused in (qkv[0], gate_up[0]):
@@ -235,11 +293,21 @@ class _Plan:
                 self._keep += [weight] + ([bias] if bias is not None else [])
                 bias_pointer = bias.data_ptr() if bias is not None else 0
                 slots += [weight.data_ptr(), bias_pointer, function, convention]
-            in_norm, post_norm = (norm.weight.contiguous() for norm in norms)
-            self._keep += [in_norm, post_norm]
-            pointers += [in_norm.data_ptr(), *slots[:8], post_norm.data_ptr(), *slots[8:]]
-            eps += [float(norm.variance_epsilon) for norm in norms]
-        self.silu = silu_table(feed_width) if engine.dtype == torch.bfloat16 else None
+            weights = [
+                None if norm is None else cast(torch.Tensor, norm.weight).contiguous()
+                for norm in norms
+            ]
+            self._keep += [weight for weight in weights if weight is not None]
+            norm_at = [0 if weight is None else weight.data_ptr() for weight in weights]
+            pointers += [norm_at[0], *slots[:8], norm_at[1], *slots[8:], *norm_at[2:]]
+            eps += [_epsilon(norm) or 0.0 for norm in norms]
+        assert isinstance(activation, nn.Module)  # one of _ACTIVATIONS
+        #: The layers' activation, and its table where bfloat16 reads it from one.
+        self.activation = activation
+        bf16 = engine.dtype == torch.bfloat16
+        self.table = activation_table(activation, feed_width) if bf16 else None
+        #: Whether the norms scale by ``1 + weight`` (Gemma's form).
+        self.unit_offset = forms == {True}
         self.pointers = torch.tensor(pointers, dtype=torch.int64)
         self.eps = torch.tensor(eps, dtype=torch.float32)
         self.feed_width = feed_width
@@ -284,10 +352,10 @@ def _functions() -> torch.Tensor | None:
 _function_table: torch.Tensor | None = None
 
 
-def _activation(scratch: torch.Tensor, feed_width: int) -> Any:
-    """The loop's SiLU-times-up callback over ``scratch``'s buffers: PyTorch's own
-    ``silu(gate) * up`` (as the layer's MLP item computes it) from the fused gate/up output
-    into the gated buffer, both given as pointers into ``scratch``."""
+def _activation(scratch: torch.Tensor, feed_width: int, activation: nn.Module) -> Any:
+    """The loop's activation-times-up callback over ``scratch``'s buffers: the layer's own
+    ``act(gate) * up`` (as its MLP item computes it) from the fused gate/up output into the
+    gated buffer, both given as pointers into ``scratch``."""
     base, size = scratch.data_ptr(), scratch.element_size()
 
     def activate(gate_up: int, gated: int, tokens: int) -> int:
@@ -296,7 +364,7 @@ def _activation(scratch: torch.Tensor, feed_width: int) -> Any:
             fused = scratch[start : start + tokens * 2 * feed_width].view(tokens, 2 * feed_width)
             start = (gated - base) // size
             out = scratch[start : start + tokens * feed_width].view(tokens, feed_width)
-            torch.mul(F.silu(fused[:, :feed_width]), fused[:, feed_width:], out=out)
+            torch.mul(activation(fused[:, :feed_width]), fused[:, feed_width:], out=out)
         except Exception:  # an exception must not cross into C: fail the pass instead
             return 1
         return 0
@@ -347,12 +415,44 @@ def _interrupts_after_the_call(callbacks: bool) -> Iterator[None]:
                 raise KeyboardInterrupt
 
 
+def _window_plans(
+    engine: LoopEngine, windows: Mapping[int, WindowedRows], layers: int
+) -> tuple[torch.Tensor | None, list[torch.Tensor], int]:
+    """Per layer, the address of its window plan (``csrc/layer_loop.c``'s ``W_*`` layout;
+    0 where the layer's rows all share the call), or None where no layer has one; the plans
+    (kept alive by the caller) and the most keys an entry gathers."""
+    if not windows:
+        return None, [], 0
+    plans: dict[int, torch.Tensor] = {}
+    gathered = 0
+    for window, crossed in windows.items():
+        entries = crossed.entries
+        shared = crossed.inside.row_pointers()[0] if crossed.inside is not None else None
+        single = row_attention.BatchedAttention(
+            row_attention.LIBRARY.load(),  # type: ignore[arg-type]  # loaded: the pass runs
+            torch.ones(1, 1, dtype=torch.int64),
+            engine.num_heads,
+            engine.kv_heads,
+            engine.head_dim,
+            engine.dtype,
+            crossed.scale,
+        )
+        head = torch.tensor([shared or 0, entries.shape[0], single.settings[0]])
+        plans[window] = torch.cat([head, entries.reshape(-1)])
+        for entry in range(entries.shape[0]):
+            slots = crossed.keys_of(entry)
+            gathered = max(gathered, 0 if slots is None else slots.numel())
+    addresses = [
+        plans[w].data_ptr() if w is not None and w in plans else 0 for w in engine.windows[:layers]
+    ]
+    return torch.tensor(addresses, dtype=torch.int64), list(plans.values()), gathered
+
+
 def run_layers(
     engine: LoopEngine,
     buffers: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
     hidden: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    rotary: Sequence[tuple[torch.Tensor, torch.Tensor]],
     write_rows: torch.Tensor,
     write_positions: torch.Tensor,
     packing: tuple[torch.Tensor, torch.Tensor] | None,
@@ -360,6 +460,7 @@ def run_layers(
     rows: int,
     end: int,
     executed: Sequence[bool] | None = None,
+    windows: Mapping[int, WindowedRows] | None = None,
 ) -> torch.Tensor | None:
     """Every layer of an exact pass in one compiled call: the residual stream after the last
     layer, shaped like ``hidden``, with the K/V of every executed attention item written; or
@@ -369,12 +470,14 @@ def run_layers(
         buffers: layer -> its key and value buffers ``(slots, kvH, capacity, hd)``.
         hidden: ``(rows, q, d)`` or ``(1, T, d)`` float32 or bfloat16, the embedded tokens
             (not changed).
-        cos, sin: ``(N, hd)`` contiguous; write_rows, write_positions: ``(N,)`` int64
-            contiguous, each token's cache slot and position.
+        rotary: per layer, its ``cos, sin`` tables ``(N, hd)`` contiguous; write_rows,
+            write_positions: ``(N,)`` int64 contiguous, each token's cache slot and position.
         packing: each packed token's row and step ``(T,)`` int64 each, or None.
         attention: the pass's prepared attention call; rows: its rows; end: its key count.
         executed: ``2 * layers`` flags, attention then MLP per layer (a mask's
             ``executed``), or None for every item.
+        windows: per sliding window that some row of the pass sees past, its rows' plan
+            (:func:`~knapspec.model.passes.sliding_window.windowed_rows`).
     """
     global _function_table
     library = LIBRARY.load()
@@ -389,18 +492,26 @@ def run_layers(
         _function_table = _functions()
         if _function_table is None:
             return None
+    layers = len(engine.layers)
     kv: list[int] = []
-    for layer in range(len(engine.layers)):
+    for layer in range(layers):
         keys, values = buffers(layer)
         kv += [keys.data_ptr(), values.data_ptr()]
     slots, _, capacity, _ = keys.shape
+    tables = torch.tensor(
+        [table.data_ptr() for pair in rotary[:layers] for table in pair], dtype=torch.int64
+    )
+    window_table, window_plans, gathered = _window_plans(engine, windows or {}, layers)
     chunk, unit, scale, threads = attention.settings
     sizes = [tokens, hidden.shape[-1], engine.num_heads, engine.kv_heads, engine.head_dim]
     sizes += [plan.feed_width, rows, attention.q_len, slots, capacity, end, chunk, unit]
-    dims = torch.tensor([*sizes, threads, dtype, 0], dtype=torch.int64)
+    dims = torch.tensor(
+        [*sizes, threads, dtype, int(plan.unit_offset), gathered, 0], dtype=torch.int64
+    )
     dims[-1] = library.knapspec_layer_loop_scratch(dims.data_ptr())
     scratch = torch.empty(int(dims[-1]), dtype=hidden.dtype)
-    activate = _activation(scratch, plan.feed_width) if plan.silu is None else None
+    table = plan.table
+    activate = _activation(scratch, plan.feed_width, plan.activation) if table is None else None
     products = _products(scratch, plan) if plan.called_back else None
     out = hidden.clone(memory_format=torch.contiguous_format)
     kv_table = torch.tensor(kv, dtype=torch.int64)
@@ -410,14 +521,14 @@ def run_layers(
     with _interrupts_after_the_call(activate is not None or products is not None):
         status = library.knapspec_layer_loop(
             out.data_ptr(),
-            len(engine.layers),
+            layers,
             plan.pointers.data_ptr(),
             plan.eps.data_ptr(),
             kv_table.data_ptr(),
             _function_table.data_ptr(),
             dims.data_ptr(),
-            cos.data_ptr(),
-            sin.data_ptr(),
+            tables.data_ptr(),
+            None if window_table is None else window_table.data_ptr(),
             write_rows.data_ptr(),
             write_positions.data_ptr(),
             None if token_row is None else token_row.data_ptr(),
@@ -426,16 +537,17 @@ def run_layers(
             prefix,
             visible,
             scale,
-            None if plan.silu is None else plan.silu.data_ptr(),
+            None if table is None else table.data_ptr(),
             None if activate is None else ctypes.cast(activate, ctypes.c_void_p),
             None if products is None else ctypes.cast(products, ctypes.c_void_p),
             flags,
             scratch.data_ptr(),
         )
+    del window_plans  # alive until the call returned
     if status:
         step = _STEPS[status // 1000] if status // 1000 < len(_STEPS) else "?"
         raise RuntimeError(f"the compiled layer loop failed in its {step} (status {status})")
     return out
 
 
-__all__ = ["LIBRARY", "LoopEngine", "run_layers", "silu_table"]
+__all__ = ["LIBRARY", "LoopEngine", "activation_table", "run_layers", "silu_table"]

@@ -6,7 +6,8 @@ scale), rotary fourteen, a K/V write two indexed copies. On a 2-core AMD EPYC Ze
 (bfloat16, torch 2.13) the small operations and their Python were 8.6 ms of a 24 ms
 one-row step and 13 ms of a 42 ms 16-row batched round. Three become one call each:
 
-- :func:`rms_norm`: the Llama/Qwen/Mistral RMSNorm, variance in float32;
+- :func:`rms_norm`: the Llama/Qwen/Mistral RMSNorm, variance in float32, and Gemma's
+  (scaled by ``1 + weight`` in float32 before the one cast);
 - :func:`rotary_`: rotary embedding in place, bitwise HF's ``apply_rotary_pos_emb``;
 - :func:`scatter_`: each token's K/V heads into its row and position of a cache buffer,
   bitwise an indexed copy.
@@ -40,7 +41,7 @@ RotaryFn = Callable[
 def _declare(library: ctypes.CDLL) -> None:
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     signatures = {
-        "knapspec_rms_norm": [ptr, ptr, ptr, i64, i64, i64, ctypes.c_float, c_int, c_int],
+        "knapspec_rms_norm": [ptr, ptr, ptr, i64, i64, i64, ctypes.c_float, c_int, c_int, c_int],
         "knapspec_rotary": [ptr, ptr, ptr, i64, i64, i64, i64, c_int],
         "knapspec_scatter": [ptr, ptr, ptr, ptr, *(i64,) * 7],
     }
@@ -82,14 +83,18 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
+) -> torch.Tensor:
     """``weight * (x / sqrt(mean(x²) + eps))``, normalised in float32 and cast to ``x``'s
-    dtype before the weight is applied (HF's ``LlamaRMSNorm``).
+    dtype before the weight is applied (HF's ``LlamaRMSNorm``); with ``unit_offset``,
+    ``(x / sqrt(mean(x²) + eps)) * (1 + weight)`` all in float32, then cast (Gemma's).
 
     Args:
         x: ``(..., d)`` float32 or bfloat16 on CPU.
         weight: ``(d,)``, same dtype.
         eps: added to the variance.
+        unit_offset: scale by ``1 + weight`` (Gemma's RMSNorm).
 
     Returns:
         ``(..., d)``, a new contiguous tensor.
@@ -108,6 +113,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             eps,
             _DTYPES[x.dtype],
             torch.get_num_threads(),
+            int(unit_offset),
         ),
         "RMSNorm",
     )
@@ -246,31 +252,44 @@ def scatter_heads_(
     )
 
 
+#: RMSNorm classes that scale by ``1 + weight`` in float32 before casting (HF's Gemma
+#: family); every other ``*RMSNorm`` is taken for the Llama form. :func:`serves_norms`
+#: checks the output either way, so a class named wrongly here is refused, not miscomputed.
+UNIT_OFFSET_NORMS: frozenset[str] = frozenset({"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"})
+
+
+def _epsilon(norm: nn.Module) -> float | None:
+    """An RMSNorm module's epsilon (``variance_epsilon`` in Llama's form, ``eps`` in
+    Gemma's), or None."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return eps if isinstance(eps, float) else None
+
+
 def apply_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """:func:`rms_norm` with an RMSNorm module's weight and epsilon (one that
+    """:func:`rms_norm` with an RMSNorm module's weight, epsilon and form (one that
     :func:`serves_norms` accepted)."""
     weight = cast(torch.Tensor, norm.weight)
-    return rms_norm(x, weight, cast(float, norm.variance_epsilon))
+    unit_offset = type(norm).__name__ in UNIT_OFFSET_NORMS
+    return rms_norm(x, weight, cast(float, _epsilon(norm)), unit_offset)
 
 
 def serves_norms(norms: Sequence[nn.Module], dtype: torch.dtype) -> bool:
-    """Whether :func:`rms_norm` computes every module of ``norms`` (a model's layer norms)
-    here: each an RMSNorm with a ``(d,)`` weight and a ``variance_epsilon``, and the
-    first one's output on a test input equal to :func:`rms_norm`'s within a unit in the
-    last place (a variant such as Gemma's ``1 + weight`` fails this and keeps its
-    module)."""
+    """Whether :func:`rms_norm` computes every module of ``norms`` (a model's layer norms,
+    or its q/k norms) here: each an RMSNorm with a ``(d,)`` weight and an epsilon, all of
+    one class, and the first one's output on a test input equal to :func:`rms_norm`'s
+    within a unit in the last place."""
     if not norms or not available(dtype):
         return False
     for module in norms:
         weight = getattr(module, "weight", None)
-        eps = getattr(module, "variance_epsilon", None)
         if (
             not type(module).__name__.endswith("RMSNorm")
+            or type(module) is not type(norms[0])
             or not isinstance(weight, torch.Tensor)
             or weight.dim() != 1
             or weight.dtype != dtype
             or not weight.is_cpu
-            or not isinstance(eps, float)
+            or _epsilon(module) is None
         ):
             return False
     first = norms[0]

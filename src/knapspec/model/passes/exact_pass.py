@@ -1,21 +1,25 @@
 """An exact batched pass's layer items with their per-pass work done once.
 
-:func:`~knapspec.model.passes.batched.forward_batch` on an exact CPU engine runs, per layer, the
-same few compiled calls (RMSNorm, the fused q/k/v product, rotary, two K/V writes, the
-row-invariant attention, the output product, RMSNorm, the fused gate/up product, SiLU,
-the down product). Through the engine's general methods each item also recomputed what
-is the same for all of a pass's layers (the rotary tables' layout, the K/V write
-indices' checks, the attention's per-row lengths, thread split and unit), checked its
-inputs' layouts again and padded ragged rows one slice at a time: on a 2-core AMD EPYC
-Zen 4 (bfloat16, SmolLM2-135M) a one-row round spent 5.3 of its 13.5 ms outside the
-kernels, a 16-row round 7.8 of 28.8 ms.
+:func:`~knapspec.model.passes.batched.forward_batch` on an exact CPU engine runs, per layer,
+the same few compiled calls (RMSNorm, the fused q/k/v product, q/k norms where the model
+has them, rotary, two K/V writes, the row-invariant attention, the output product, the
+norms around the MLP, the fused gate/up product, the activation, the down product).
+Through the engine's general methods each item also recomputed what is the same for all
+of a pass's layers (the rotary tables' layout, the K/V write indices' checks, the
+attention's per-row lengths, thread split and unit), checked its inputs' layouts again and
+padded ragged rows one slice at a time: on a 2-core AMD EPYC Zen 4 (bfloat16,
+SmolLM2-135M) a one-row round spent 5.3 of its 13.5 ms outside the kernels, a 16-row round
+7.8 of 28.8 ms.
 
 :class:`ExactLayerPass` prepares that work once per pass and runs each item with the
 same kernels on the same inputs, so every output and every K/V entry is bitwise what the
-general path computes (the tests compare the two). Where an item's layer does not fit
-(a fusion undone by replaced weights, q/k norms, another activation, a kernel that is
-not compiled here) :meth:`ExactLayerPass.attention_item` / :meth:`mlp_item` return None
-and the caller runs the general path for that item.
+general path computes (the tests compare the two). It serves the Llama layout and Gemma
+3's: a norm after each sublayer too (applied to its output before the residual add),
+per-head q/k norms, a rotary table per layer type, sliding-window layers (the rows past a
+window attended as :mod:`~knapspec.model.passes.sliding_window` says) and the MLP's own
+activation (GELU-tanh). Where an item's layer does not fit (a fusion undone by replaced
+weights, a kernel that is not compiled here) :meth:`ExactLayerPass.attention_item` /
+:meth:`mlp_item` return None and the caller runs the general path for that item.
 """
 
 from __future__ import annotations
@@ -25,12 +29,11 @@ from typing import Any, Protocol
 
 import attrs
 import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers.activations import SiLUActivation
 
 from knapspec.model.kernels import layer_loop, layer_ops, row_attention
 from knapspec.model.kernels.fusion import FusedProjection
+from knapspec.model.passes.sliding_window import WindowedRows, windowed_rows
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -67,7 +70,10 @@ class LeanEngine(Protocol):
     kernel_generation: int
     kernels: Any
     compiled_norms: bool
+    compiled_qk_norms: bool
     compiled_rotary: bool
+    sandwich_norms: bool
+    windows: list[int | None]
     dtype: torch.dtype
     num_heads: int
     kv_heads: int
@@ -86,6 +92,10 @@ class LeanEngine(Protocol):
     ) -> tuple[torch.Tensor, tuple[int, ...]] | None: ...
 
     def project(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
+
+    def layer_rotary(
+        self, layer_index: int, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def project_kernel(
         self, module: nn.Module, rows: int
@@ -107,11 +117,6 @@ class LayerBuffers(Protocol):
         ...
 
 
-def _silu_module(module: nn.Module | None) -> bool:
-    """Whether ``module`` is exactly ``F.silu`` (what the general path calls it for)."""
-    return type(module) in (SiLUActivation, nn.SiLU)
-
-
 class ExactLayerPass:
     """One exact batched pass over ``N`` token rows (``rows × q`` padded-equal, or ``T``
     packed), prepared for all of its layers (module docstring). Build it with
@@ -120,11 +125,14 @@ class ExactLayerPass:
     Args:
         engine, cache: the pass's engine and cache.
         rows: the rows the pass runs (a batch cache's active rows; 1 for a sequence).
-        cos, sin: the rotary tables, ``(N, hd)`` contiguous in the engine's dtype.
+        rotary: per layer, its rotary tables ``(cos, sin)``, ``(N, hd)`` contiguous each in
+            the engine's dtype (layers of one type share theirs).
         write_rows, write_positions: each token's cache row and position, ``(N,)`` int64
             contiguous.
         attention: the prepared attention call (its per-row lengths ``(rows, q_max)``).
         packing: each packed token's row and step, or None (every row ``q`` tokens).
+        windows: per sliding window (tokens) that some row of the pass sees past, how those
+            rows are attended (:func:`~knapspec.model.passes.sliding_window.windowed_rows`).
     """
 
     def __init__(
@@ -132,19 +140,20 @@ class ExactLayerPass:
         engine: LeanEngine,
         cache: LayerBuffers,
         rows: int,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rotary: list[tuple[torch.Tensor, torch.Tensor]],
         write_rows: torch.Tensor,
         write_positions: torch.Tensor,
         attention: row_attention.BatchedAttention,
         packing: tuple[torch.Tensor, torch.Tensor] | None,
+        windows: dict[int, WindowedRows] | None = None,
     ) -> None:
         self.engine = engine
         self.cache = cache
-        self._cos, self._sin = cos, sin
+        self.rotary = rotary
         self._write_rows, self._write_positions = write_rows, write_positions
         self._attention = attention
         self._packing = packing
+        self.windows: dict[int, WindowedRows] = windows or {}
         self.tokens = write_rows.numel()
         self.rows = rows
         #: Keys the longest row's last query sees (the attention's key count).
@@ -162,14 +171,19 @@ class ExactLayerPass:
         lengths: torch.Tensor | None,
         packing: tuple[torch.Tensor, torch.Tensor] | None,
         tree: tuple[torch.Tensor, torch.Tensor] | None = None,
+        tree_positions: torch.Tensor | None = None,
     ) -> ExactLayerPass | None:
         """The pass over ``index``'s tokens, or None where it does not fit (an inexact
-        engine, no compiled layer operations or attention kernel, q/k norms) or the engine
+        engine, no compiled layer operations or attention kernel, q/k norms that do not
+        run compiled, a token tree in sliding layers without its positions) or the engine
         turned it off (:attr:`EnginePaths.lean_passes`).
 
         Args:
             compiled_writes: whether the cache may be written through the compiled copy.
-            cos, sin: the rotary tables, ``(rows, q, hd)`` or ``(1, T, hd)``.
+            cos, sin: the rotary tables, ``(rows, q, hd)`` or ``(1, T, hd)``; stacked over
+                the layer types where the model has one table per type (``(types * rows,
+                q, hd)``, as :meth:`~knapspec.model.engine.SublayerEngine.rotary_tables`
+                gives them).
             index: each token's cache row and position, ``(rows, q)`` or ``(1, T)`` int64.
             lengths: ``(rows, q_max)`` keys each query row sees (padding rows: 1), or
                 None with ``tree``.
@@ -177,6 +191,8 @@ class ExactLayerPass:
             tree: one sequence's token tree instead of ``lengths``: ``(prefix, visible)``
                 as :func:`~knapspec.model.kernels.row_attention.attend_tree_rows` takes them (node
                 ``i`` written at the slot ``index`` gives it).
+            tree_positions: with ``tree``, each node's position ``(q,)`` (what a sliding
+                window is measured in).
         """
         library = row_attention.load_library()
         if (
@@ -186,7 +202,7 @@ class ExactLayerPass:
             or not engine.compiled_norms
             or not engine.compiled_rotary
             or not compiled_writes
-            or engine.has_qk_norm
+            or (engine.has_qk_norm and not engine.compiled_qk_norms)
             or engine.dtype not in _DTYPES
         ):
             return None
@@ -195,33 +211,62 @@ class ExactLayerPass:
         if (
             cos.dtype != engine.dtype
             or sin.dtype != engine.dtype
-            or cos.numel() != tokens * head_dim
-            or sin.numel() != tokens * head_dim
+            or cos.numel() != sin.numel()
+            or cos.numel() % (tokens * head_dim)
             or positions.numel() != tokens
             or rows_index.dtype != torch.int64
             or positions.dtype != torch.int64
         ):
             return None
-        attention = row_attention.BatchedAttention(
-            library,
-            lengths,
-            engine.num_heads,
-            engine.kv_heads,
-            head_dim,
-            engine.dtype,
-            engine.attention_scale,
-            tree,
-        )
+        tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        rotary = []
+        for layer_index in range(len(engine.layers)):
+            layer_cos, layer_sin = engine.layer_rotary(layer_index, cos, sin)
+            if layer_cos.numel() != tokens * head_dim:
+                return None
+            key = layer_cos.data_ptr()  # layers of one type share a table: lay it out once
+            if key not in tables:
+                tables[key] = (
+                    layer_cos.reshape(tokens, head_dim).contiguous(),
+                    layer_sin.reshape(tokens, head_dim).contiguous(),
+                )
+            rotary.append(tables[key])
+
+        def call(row_lengths: torch.Tensor | None) -> row_attention.BatchedAttention:
+            return row_attention.BatchedAttention(
+                library,
+                row_lengths,
+                engine.num_heads,
+                engine.kv_heads,
+                head_dim,
+                engine.dtype,
+                engine.attention_scale,
+                tree if row_lengths is None else None,
+            )
+
+        windows: dict[int, WindowedRows] = {}
+        sliding = {w for w in engine.windows if w is not None}
+        nodes = None  # a tree's (node 0's slot, positions, visibility) for its windows
+        if tree is not None and sliding:
+            if tree_positions is None:
+                return None
+            nodes = (int(positions.min()), tree_positions, tree[1])
+        for window in sliding:
+            crossed = windowed_rows(
+                call, window, engine.num_heads, engine.attention_scale, lengths, nodes
+            )
+            if crossed is not None:
+                windows[window] = crossed
         prepared = cls(
             engine,
             cache,
             lengths.shape[0] if lengths is not None else 1,
-            cos.reshape(tokens, head_dim).contiguous(),
-            sin.reshape(tokens, head_dim).contiguous(),
+            rotary,
             rows_index.reshape(tokens).contiguous(),
             positions.reshape(tokens).contiguous(),
-            attention,
+            call(lengths),
             packing,
+            windows,
         )
         prepared.end = int(positions.max()) + 1  # every row's last real token sees that far
         return prepared
@@ -232,7 +277,8 @@ class ExactLayerPass:
 
     def _attend(self, layer_index: int, query: torch.Tensor) -> torch.Tensor:
         """Row-invariant attention of ``query (N, H, hd)`` over each row's own cache ->
-        ``(N, H * hd)``: the general path's padding, kernel call and gathering."""
+        ``(N, H * hd)``: the general path's padding, kernel call and gathering (in a
+        sliding layer, the rows past its window attended alone over their keys)."""
         engine = self.engine
         rows, q_len = self.rows, self._attention.q_len
         heads, kv_heads, head_dim = engine.num_heads, engine.kv_heads, engine.head_dim
@@ -245,9 +291,13 @@ class ExactLayerPass:
         keys, values = self.cache.buffers(layer_index)
         merged = (rows * kv_heads, self.end, head_dim)
         strides = (keys.stride(1), keys.stride(2), 1)
-        out = self._attention(
-            folded, keys.as_strided(merged, strides), values.as_strided(merged, strides)
-        )
+        shared = (keys.as_strided(merged, strides), values.as_strided(merged, strides))
+        window = engine.windows[layer_index]
+        crossed = self.windows.get(window) if window is not None else None
+        if crossed is not None:
+            out: torch.Tensor | None = crossed.attend(folded, keys, values, shared)
+        else:
+            out = self._attention(folded, *shared)
         if out is None:  # the tree was checked when it was laid out
             raise RuntimeError("the attention kernel refused tree rows that passed the check")
         by_query = out.view(rows, heads, q_len, head_dim).transpose(1, 2)
@@ -270,8 +320,7 @@ class ExactLayerPass:
             self.engine,
             self.cache.buffers,
             hidden,
-            self._cos,
-            self._sin,
+            self.rotary,
             self._write_rows,
             self._write_positions,
             self._packing,
@@ -279,6 +328,7 @@ class ExactLayerPass:
             self.rows,
             self.end,
             executed,
+            self.windows,
         )
 
     def attention_item(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -287,7 +337,7 @@ class ExactLayerPass:
         the general path (nothing written then)."""
         engine = self.engine
         layer = engine.layers[layer_index]
-        o_proj = layer.self_attn.o_proj
+        attention = layer.self_attn
         normed = self._norm(layer.input_layernorm, hidden)
         product = engine.fused_product("qkv", layer_index, normed)
         heads, kv_heads, head_dim = engine.num_heads, engine.kv_heads, engine.head_dim
@@ -299,13 +349,20 @@ class ExactLayerPass:
         query = flat[:, :q_width].view(self.tokens, heads, head_dim)
         key = flat[:, q_width : q_width + kv_width].view(self.tokens, kv_heads, head_dim)
         value = flat[:, q_width + kv_width :].view(self.tokens, kv_heads, head_dim)
-        layer_ops.rotary_heads_(query, self._cos, self._sin)
-        layer_ops.rotary_heads_(key, self._cos, self._sin)
+        if engine.has_qk_norm:  # per head, before rotary (new contiguous tensors)
+            query = self._norm(attention.q_norm, query)
+            key = self._norm(attention.k_norm, key)
+        cos, sin = self.rotary[layer_index]
+        layer_ops.rotary_heads_(query, cos, sin)
+        layer_ops.rotary_heads_(key, cos, sin)
         keys, values = self.cache.buffers(layer_index)
         layer_ops.scatter_heads_(keys, self._write_rows, self._write_positions, key)
         layer_ops.scatter_heads_(values, self._write_rows, self._write_positions, value)
         attended = self._attend(layer_index, query).view(*hidden.shape[:-1], q_width)
-        output: torch.Tensor = hidden + engine.project(o_proj, attended)
+        out = engine.project(attention.o_proj, attended)
+        if engine.sandwich_norms:  # Gemma 3: the output normalised before the residual add
+            out = self._norm(layer.post_attention_layernorm, out)
+        output: torch.Tensor = hidden + out
         return output
 
     def mlp_item(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -314,17 +371,22 @@ class ExactLayerPass:
         engine = self.engine
         layer = engine.layers[layer_index]
         mlp = layer.mlp
-        down = getattr(mlp, "down_proj", None)
-        if down is None or not _silu_module(getattr(mlp, "act_fn", None)):
+        down, activation = getattr(mlp, "down_proj", None), getattr(mlp, "act_fn", None)
+        if down is None or not isinstance(activation, nn.Module):
             return None
-        normed = self._norm(layer.post_attention_layernorm, hidden)
+        sandwich = engine.sandwich_norms
+        norm = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
+        normed = self._norm(norm, hidden)
         product = engine.fused_product("gate_up", layer_index, normed)
         if product is None or len(product[1]) != 2:
             return None
         fused, (gate_width, _) = product
-        gated = F.silu(fused[..., :gate_width])
+        gated = activation(fused[..., :gate_width])
         gated.mul_(fused[..., gate_width:])  # as the general path: act(gate), then * up
-        output: torch.Tensor = hidden + engine.project(down, gated)
+        fed = engine.project(down, gated)
+        if sandwich:
+            fed = self._norm(layer.post_feedforward_layernorm, fed)
+        output: torch.Tensor = hidden + fed
         return output
 
 

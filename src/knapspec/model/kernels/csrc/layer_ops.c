@@ -7,6 +7,7 @@
  * Here each is one loop:
  *
  *   rms_norm   out = weight * cast(x * 1/sqrt(mean(x^2) + eps))   (Llama/Qwen/Mistral form)
+ *              out = cast(x * 1/sqrt(mean(x^2) + eps) * (1 + weight))   (Gemma's unit offset)
  *   rotary     x = x * cos + rotate_half(x) * sin, in place, per token and head
  *   scatter    copy each token's K/V heads into its (row, position) of a cache buffer
  *
@@ -65,14 +66,18 @@ static inline const char *at(const void *base, int64_t element, int dtype) {
 
 /* RMSNorm of rows x[r, 0:d] (row stride x_stride elements) into out[r, 0:d] (contiguous):
  * variance in float32 (squares summed in 16 interleaved partial sums, then those by a
- * fixed tree), normalised in float32, cast to the dtype, times the weight in the dtype. */
+ * fixed tree), normalised in float32, cast to the dtype, times the weight in the dtype.
+ * With unit_offset (Gemma's form) the normalised row stays in float32 and is scaled by
+ * 1 + weight (the weight widened first) before the one cast to the dtype. */
 int knapspec_rms_norm(const void *x, const void *weight, void *out, int64_t rows, int64_t d,
-                      int64_t x_stride, float eps, int dtype, int threads) {
+                      int64_t x_stride, float eps, int dtype, int threads, int unit_offset) {
     if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return 1;
     if (d > MAX_WIDTH || d < 1) return 2;
     if (threads < 1) threads = 1;
     float w[MAX_WIDTH];
     widen(weight, d, dtype, w);
+    if (unit_offset)
+        for (int64_t i = 0; i < d; i++) w[i] = 1.0f + w[i];
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * d >= 65536)
     for (int64_t r = 0; r < rows; r++) {
         float v[MAX_WIDTH];
@@ -86,7 +91,7 @@ int knapspec_rms_norm(const void *x, const void *weight, void *out, int64_t rows
             for (int j = 0; j < width; j++) partial[j] += partial[j + width];
         float scale = 1.0f / sqrtf(partial[0] / (float)d + eps);
         for (int64_t i = 0; i < d; i++) v[i] = v[i] * scale;
-        round_to(v, d, dtype);
+        if (!unit_offset) round_to(v, d, dtype);
         for (int64_t i = 0; i < d; i++) v[i] = w[i] * v[i];
         narrow(v, d, dtype, (char *)out + r * d * element_size(dtype));
     }
