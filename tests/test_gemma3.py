@@ -191,7 +191,6 @@ def test_a_verification_that_ignores_the_window_fails_the_contract(
                 query, keys, values, lengths, window if query.shape[1] == 1 else None, scale
             )
 
-        monkeypatch.setattr(engine, "lean_passes", False)
         monkeypatch.setattr("knapspec.model.engine.attend_rows_windowed", forgetful)
     else:
         plan = exact_pass.windowed_rows
@@ -201,7 +200,8 @@ def test_a_verification_that_ignores_the_window_fails_the_contract(
             return None if rows > 1 else plan(inside, window, heads, scale, lengths, tree)
 
         monkeypatch.setattr(exact_pass, "windowed_rows", forgets)
-    assert verification_mismatches(engine, _tokens(20, 1), _tokens(6, 2))
+    with engine.use_paths(lean_passes=path == "lean"):
+        assert verification_mismatches(engine, _tokens(20, 1), _tokens(6, 2))
 
 
 def test_windowed_rows_equal_their_slice_attended_alone() -> None:
