@@ -4,8 +4,9 @@ Two steps, because llama-cpp-python lives in its own virtual environment (it nee
 torch, and its build is its own):
 
     # 1. in knapspec's environment: the long-input prompts of engine_vs_generate.py, as ids
+    #    (and, with --write-gguf, Gemma 3 270M's GGUF as shipped, assembled and checked)
     python benchmarks/llamacpp_gguf.py prompts --model gemma-3-270m --contexts 512 2048 4096 \
-        --output /tmp/prompts.json
+        --output /tmp/prompts.json --write-gguf /tmp/gguf
     # 2. in llama-cpp-python's: greedy decoding of each prompt, prefill included
     <venv>/bin/python benchmarks/llamacpp_gguf.py time --gguf gemma-3-270m-q4_k_m.gguf \
         --prompts /tmp/prompts.json --threads 2 --new-tokens 128 --pairs 3
@@ -59,8 +60,13 @@ def _commit() -> str:
 def prompts(args: argparse.Namespace) -> None:
     """Write the long-input prompts' token ids (knapspec's environment)."""
     from knapspec.bench.prompts import long_input_prompt
-    from knapspec.model.provision import load_model_and_tokenizer
+    from knapspec.model.loading.gemma_source import fetch_gguf
+    from knapspec.model.loading.provision import load_model_and_tokenizer
 
+    if args.write_gguf is not None:
+        args.write_gguf.mkdir(parents=True, exist_ok=True)
+        gguf, _ = fetch_gguf(args.write_gguf)
+        print(f"wrote {gguf}")
     _, tokenizer = load_model_and_tokenizer(args.model, progress=False)
     rows = [
         {"context": c, "ids": long_input_prompt(tokenizer, c, seed=c).tolist()}
@@ -155,6 +161,7 @@ def main() -> None:
     p.add_argument("--model", default="gemma-3-270m")
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096])
     p.add_argument("--output", type=Path, required=True)
+    p.add_argument("--write-gguf", type=Path, default=None, help="also assemble Gemma's GGUF here")
     t = sub.add_parser("time", help="time llama.cpp on them (llama-cpp-python's environment)")
     t.add_argument("--gguf", type=Path, required=True)
     t.add_argument("--prompts", type=Path, required=True)

