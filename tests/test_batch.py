@@ -19,9 +19,10 @@ from tests.test_sampling import (
 )
 from tests.tiny_models import greedy_reference, tiny_model
 
-import knapspec.decoding.batch as batch_module
+import knapspec.decoding.batch_round as round_module
 import knapspec.decoding.sampler as sampler_module
-from knapspec.decoding.batch import BatchGenerationResult, BatchRun
+from knapspec.decoding.batch import BatchGenerationResult
+from knapspec.decoding.continuous import ContinuousBatch
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.decoding.run import GenerationResult
 from knapspec.decoding.verify import Verdict
@@ -107,7 +108,7 @@ def test_a_single_prompt_keeps_the_single_sequence_path() -> None:
     assert isinstance(decoder.generate([[1, 2, 3]], max_new_tokens=3), BatchGenerationResult)
 
 
-def _check_cache(run: BatchRun, cache: BatchKVCache, active: list[int]) -> None:
+def _check_cache(run: ContinuousBatch, cache: BatchKVCache, active: list[int]) -> None:
     """Every active row caches exactly its committed tokens but the pending one, and their
     K/V equal a single-sequence prefill of that row's committed sequence."""
     engine = run.engine
@@ -128,19 +129,20 @@ def checked_rounds(monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[int, int]
     """Check every row's cache after every batched round (:func:`_check_cache`); the
     returned list fills with each round's ``(drafted, accepted)`` per active row."""
     rounds: list[list[tuple[int, int]]] = []
-    original = BatchRun._round
+    original = ContinuousBatch._round
 
-    def checked_round(self, active, cache):  # type: ignore[no-untyped-def]
+    def checked_round(self):  # type: ignore[no-untyped-def]
+        active, cache = self._active, self._cache
         stats = [self.rows[r].stats for r in active]
         before = [(s.drafted_tokens, s.accepted_tokens) for s in stats]
-        original(self, active, cache)
+        original(self)
         after = [(s.drafted_tokens, s.accepted_tokens) for s in stats]
         rounds.append(
             [(d1 - d0, a1 - a0) for (d0, a0), (d1, a1) in zip(before, after, strict=True)]
         )
         _check_cache(self, cache, active)
 
-    monkeypatch.setattr(BatchRun, "_round", checked_round)
+    monkeypatch.setattr(ContinuousBatch, "_round", checked_round)
     return rounds
 
 
@@ -163,13 +165,13 @@ def test_each_row_caches_exactly_its_accepted_tokens_with_ragged_acceptance(
 
 def test_finished_rows_leave_the_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     widths: list[int] = []
-    original = batch_module.forward_batch
+    original = round_module.forward_batch
 
     def counting(engine, token_ids, starts, cache, **kwargs):  # type: ignore[no-untyped-def]
         widths.append(token_ids.shape[0])
         return original(engine, token_ids, starts, cache, **kwargs)
 
-    monkeypatch.setattr(batch_module, "forward_batch", counting)
+    monkeypatch.setattr(round_module, "forward_batch", counting)
     model = tiny_model("llama", 3)
     prompts = [[1, 2, 3], [40, 41, 42, 43], [7, 8]]
     stop = int(greedy_reference(model, torch.tensor(prompts[1]), 3)[2])
@@ -593,11 +595,12 @@ def test_a_retirement_moves_only_the_last_rows_into_the_holes() -> None:
         def keep(self, rows: list[int]) -> None:
             self.kept = rows
 
-    bare = object.__new__(BatchRun)
+    bare = object.__new__(ContinuousBatch)
     stopped = {11, 13}
     bare.rows = {row: _Row("eos" if row in stopped else "") for row in active}  # type: ignore[assignment]
     bare._now = lambda: 1.0  # type: ignore[method-assign]
     cache = _Cache()
-    bare._retire(active, cache, 0.0)  # type: ignore[arg-type]
+    bare._active, bare._cache, bare.started = active, cache, 0.0  # type: ignore[assignment]
+    bare._retire()
     assert cache.kept == [0, 4, 2, 5]
     assert active == [10, 14, 12, 15]

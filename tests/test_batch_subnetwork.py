@@ -22,7 +22,7 @@ from tests.test_sampling import (
 )
 from tests.tiny_models import tiny_model
 
-from knapspec.decoding.batch import BatchRun
+from knapspec.decoding.continuous import ContinuousBatch
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.decoding.sampler import TokenSampler
 from knapspec.drafters.base import LOOKUP, SUBNETWORK, Draft
@@ -110,14 +110,14 @@ def test_subnetwork_rounds_keep_exactly_each_rows_accepted_tokens(
 def test_the_subnetwork_mask_comes_from_the_planner_on_the_first_row() -> None:
     decoder = _static_decoder((1, 4), gamma=2)
     seen: list[BatchSubnetwork | None] = []
-    original = BatchRun._round
+    original = ContinuousBatch._round
 
-    def spy(self, active, cache):  # type: ignore[no-untyped-def]
+    def spy(self):  # type: ignore[no-untyped-def]
         seen.append(self.subnetwork)
-        original(self, active, cache)
+        original(self)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(BatchRun, "_round", spy)
+        patch.setattr(ContinuousBatch, "_round", spy)
         decoder.generate_batch(
             [[1, 2, 3], [4, 5]], max_new_tokens=4, policy=FixedSubnetworkBatchPolicy(2)
         )

@@ -23,7 +23,7 @@ from tests.test_batch import (
 from tests.test_sampling import _chi_square_pvalue, _exact_joint, _small_vocab_model
 from tests.tiny_models import greedy_reference, tiny_model
 
-from knapspec.decoding.batch import BatchRun
+from knapspec.decoding.continuous import ContinuousBatch
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.planners import LookupPlanner
 from knapspec.planners.batch.policy import FixedLookupBatchPolicy, PlainBatchPolicy
@@ -54,15 +54,16 @@ def test_a_finished_row_hands_its_slot_to_a_waiting_prompt(
     batch after the first), no round may run more than 2 rows, and every row's cache holds
     exactly its committed tokens after every round."""
     actives: list[list[int]] = []
-    original = BatchRun._round
+    original = ContinuousBatch._round
 
-    def checked_round(self, active, cache):  # type: ignore[no-untyped-def]
+    def checked_round(self):  # type: ignore[no-untyped-def]
+        active, cache = self._active, self._cache
         actives.append(list(active))
         assert cache.rows == len(active) <= 2
-        original(self, active, cache)
+        original(self)
         _check_cache(self, cache, active)
 
-    monkeypatch.setattr(BatchRun, "_round", checked_round)
+    monkeypatch.setattr(ContinuousBatch, "_round", checked_round)
     model = tiny_model("llama", 3)
     prompts = [REPEATING[:12], [40, 41, 42, 43], [7, 8], REPEATING[3:10]]
     stop = int(greedy_reference(model, torch.tensor(prompts[1]), 3)[2])

@@ -111,14 +111,14 @@ def batch_prompts(
     return checked
 
 
-def check_batch_context(prompts: list[torch.Tensor], limit: int, max_context: int) -> None:
-    """Raise :class:`ContextLengthError` naming the first row whose prompt + ``limit`` new
-    tokens exceed ``max_context``."""
+def check_batch_context(prompts: list[torch.Tensor], max_new_tokens: int, max_context: int) -> None:
+    """Raise :class:`ContextLengthError` naming the first row whose prompt +
+    ``max_new_tokens`` new tokens exceed ``max_context``."""
     for row, prompt in enumerate(prompts):
-        if prompt.numel() + limit > max_context:
+        if prompt.numel() + max_new_tokens > max_context:
             raise ContextLengthError(
-                f"row {row}: {prompt.numel()} prompt tokens + max_new_tokens {limit} exceed "
-                f"the model's context of {max_context} tokens"
+                f"row {row}: {prompt.numel()} prompt tokens + max_new_tokens "
+                f"{max_new_tokens} exceed the model's context of {max_context} tokens"
             )
 
 

@@ -9,14 +9,15 @@ One round of a single sequence (the loop lives in :mod:`knapspec.decoding.run`):
 
 A plan with γ = 0 is a plain autoregressive step. Greedy output equals the target's greedy
 output token for token; sampled output is distributed exactly as the target's. Several
-prompts at once run in :mod:`knapspec.decoding.batch` (lookup or shared sub-network drafts
-per row, ragged acceptance); a single prompt never takes that path. A conversation
+prompts at once run in the batch loop, :mod:`knapspec.decoding.continuous` (lookup or
+shared sub-network drafts per row, ragged acceptance), which ``generate_batch`` drives
+through :mod:`knapspec.decoding.batch`; a single prompt never takes that path. A conversation
 (:mod:`knapspec.decoding.conversation`) runs its turns on a decoder's components with
 its own KV cache.
 
 Size: over 450 lines because ``generate``'s three typed overloads, ``generate_batch`` and
 ``conversation`` carry the public API's documentation; the loops live in
-:mod:`~knapspec.decoding.run` and :mod:`~knapspec.decoding.batch`.
+:mod:`~knapspec.decoding.run` and :mod:`~knapspec.decoding.continuous`.
 """
 
 from __future__ import annotations
@@ -43,12 +44,8 @@ from knapspec.decoding.arguments import (
     single_prompt,
     stop_set,
 )
-from knapspec.decoding.batch import (
-    BatchGenerationResult,
-    BatchRun,
-    SubnetworkPlanner,
-)
-from knapspec.decoding.continuous import ContinuousBatch
+from knapspec.decoding.batch import BatchGenerationResult, decode_requests
+from knapspec.decoding.continuous import ContinuousBatch, SubnetworkPlanner
 from knapspec.decoding.conversation import Conversation
 from knapspec.decoding.prefix_cache import PrefixCache
 from knapspec.decoding.run import GenerationResult, LogitsProcessor, Run
@@ -368,18 +365,19 @@ class SpeculativeDecoder:
             ContextLengthError: naming the row whose prompt + ``max_new_tokens`` is too long.
         """
         prompts = batch_prompts(input_ids, attention_mask, self.engine.vocab_size)
-        limit, slots = new_token_limit(max_new_tokens), batch_rows_limit(max_batch_rows)
-        check_batch_context(prompts, limit, self.engine.max_context)
+        max_new_tokens = new_token_limit(max_new_tokens)
+        slots = batch_rows_limit(max_batch_rows)
+        check_batch_context(prompts, max_new_tokens, self.engine.max_context)
         params = sampling_params(sampling) if sampling is not None else self.sampling
         stop_ids = stop_set(eos_token_id)
         requests = [
-            Request(prompt, limit, params, stop_ids, seed=seed)
+            Request(prompt, max_new_tokens, params, stop_ids, seed=seed)
             for prompt, seed in zip(prompts, row_seeds(params, len(prompts), seeds), strict=True)
         ]
         if policy is None:
             policy = self._default_batch_policy()
         with self._lock:
-            run = BatchRun(
+            return decode_requests(
                 self.engine,
                 self._cache,
                 requests,
@@ -387,18 +385,20 @@ class SpeculativeDecoder:
                 max_draft_length=self.max_draft_length,
                 drafters=self.drafters,
                 proposers=self.planner.proposal_drafters(),
-                plan_subnetwork=self._batch_subnetwork_planner(params, limit),
+                plan_subnetwork=self._batch_subnetwork_planner(params, max_new_tokens),
                 capture_points=self.planner.uses_window,
                 slots=slots,
                 prefix_cache=self.prefix_cache,
             )
-            return run.execute()
 
     def continuous_batch(self, lanes: int, capacity: int) -> ContinuousBatch:
         """A :class:`~knapspec.decoding.continuous.ContinuousBatch` on this decoder: rows
         added and cancelled between rounds by one owner (a server's scheduler), each with
-        its own limit, stop ids and sampling, decoded by the batch path of
-        :meth:`generate_batch` (the same policy, drafters and prefix cache).
+        its own limit, stop ids and sampling, decoded by the batch loop that
+        :meth:`generate_batch` drives too (the same policy, drafters and prefix cache). Its
+        lanes are reused (a lane's drafters keep their history across requests), a row
+        whose logits are not finite fails alone, and the sub-network is planned once, on
+        the first row admitted.
 
         Args:
             lanes: rows decoded at once.

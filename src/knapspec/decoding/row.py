@@ -18,6 +18,11 @@ from knapspec.decoding.stats import GenerationStats
 from knapspec.drafters.base import Drafter
 from knapspec.request import Request, draft_room
 
+#: ``stop_reason`` of a row whose owner cancelled it (a client that went away).
+CANCELLED = "cancelled"
+#: ``stop_reason`` of a row whose logits were not finite (it fails alone).
+FAILED = "error"
+
 
 @attrs.define(eq=False)
 class Row:
@@ -82,4 +87,4 @@ class Row:
         return new
 
 
-__all__ = ["Row"]
+__all__ = ["CANCELLED", "FAILED", "Row"]

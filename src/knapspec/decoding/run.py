@@ -189,10 +189,10 @@ class Run:
             )
         n = self.prompt.numel()
         stats.cached_prompt_tokens = reused
-        limit = self.request.max_new_tokens
-        cache.reserve(n + limit + self.max_draft_length + 1)
+        max_new_tokens = self.request.max_new_tokens
+        cache.reserve(n + max_new_tokens + self.max_draft_length + 1)
         # The prompt and committed tokens, for planners that read the token ids.
-        self.sequence = torch.empty(n + limit, dtype=torch.long)
+        self.sequence = torch.empty(n + max_new_tokens, dtype=torch.long)
         self.sequence[:n] = self.prompt.cpu()
 
         capture = self._wants_window()
