@@ -42,7 +42,7 @@ import signal
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -51,9 +51,6 @@ from transformers.activations import GELUTanh, SiLUActivation
 from knapspec.model.kernels import layer_ops, row_attention, row_linear
 from knapspec.model.kernels.compiled import CompiledLibrary
 from knapspec.model.kernels.fusion import FusedProjection
-
-if TYPE_CHECKING:
-    from knapspec.model.passes.sliding_window import WindowedRows
 
 #: Pointers per layer and sizes per pass, as ``csrc/layer_loop.c`` lays them out.
 _LAYER_SLOTS, _SIZES = 22, 18
@@ -114,6 +111,18 @@ _STEPS = (
     "MLP output's norm",
     "windowed attention",
 )
+
+
+class WindowedRows(Protocol):
+    """What the loop reads of a pass's plan for one sliding layer (the passes' record,
+    :class:`~knapspec.model.passes.sliding_window.WindowedRows`; named structurally so
+    the kernels never import a pass)."""
+
+    inside: row_attention.BatchedAttention | None
+    entries: torch.Tensor
+    scale: float
+
+    def keys_of(self, entry: int) -> torch.Tensor | None: ...
 
 
 class LoopEngine(Protocol):
