@@ -11,10 +11,11 @@ line records the CPU, its vector flags, the BLAS, both dtypes and the engine's k
 table: a ratio holds for that machine only.
 
     python benchmarks/engine_vs_generate.py [--model gemma-3-270m] [--contexts 512 2048 4096]
-        [--pairs 3] [--new-tokens 128] [--dtype bfloat16] [--generate-dtype float32]
+        [--pairs 3] [--new-tokens 128] [--dtype bfloat16] [--generate-dtypes float32 bfloat16]
 
-``--dtype`` is the engine's (plain and default); ``--generate-dtype`` (default: the same)
-``model.generate``'s, on its own copy of the weights when they differ. Lines are appended to
+``--dtype`` is the engine's (plain and default); ``--generate-dtypes`` (default: the same)
+``model.generate``'s, each timed in every pair on its own copy of the weights; a line per
+pair and ``model.generate`` dtype. Lines are appended to
 ``results/engine/engine_vs_generate-<model>.jsonl``.
 """
 
@@ -37,8 +38,6 @@ from knapspec.model.loading.provision import load_model_and_tokenizer
 from knapspec.planners import AutoregressivePlanner
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-#: The systems timed per pair, in the first pair's order (later pairs rotate it).
-SYSTEMS = ("generate", "plain", "default")
 
 
 def _first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
@@ -62,23 +61,28 @@ def main() -> None:
     )
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="the engine's")
     parser.add_argument(
-        "--generate-dtype", choices=DTYPES, default=None, help="model.generate's (default: --dtype)"
+        "--generate-dtypes",
+        choices=DTYPES,
+        nargs="+",
+        default=None,
+        help="model.generate's (default: --dtype)",
     )
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
-    generate_dtype = args.generate_dtype or args.dtype
+    generate_dtypes = args.generate_dtypes or [args.dtype]
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model_and_tokenizer(args.model, dtype=DTYPES[generate_dtype])
-    engine_model = model
-    if args.dtype != generate_dtype:
-        engine_model = copy.deepcopy(model).to(DTYPES[args.dtype])
+    model, tokenizer = load_model_and_tokenizer(args.model, dtype=torch.float32)
+    models = {
+        dtype: model if dtype == "float32" else copy.deepcopy(model).to(DTYPES[dtype])
+        for dtype in {*generate_dtypes, args.dtype}
+    }
+    engine_model = models[args.dtype]
     plain = SpeculativeDecoder(engine_model, planner=AutoregressivePlanner())
     default = SpeculativeDecoder(engine_model)
     name = getattr(model.config, "_name_or_path", "") or args.model
     env = {
         **environment(engine_model, args.threads),
         **kernel_record(plain.engine),
-        "generate_dtype": generate_dtype,
     }
     output = args.output or Path(
         f"results/engine/engine_vs_generate-{Path(str(name)).name or args.model}.jsonl"
@@ -86,16 +90,19 @@ def main() -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
     eos = model.generation_config.eos_token_id
 
-    def hf(ids: torch.Tensor) -> tuple[float, torch.Tensor]:
-        """``model.generate`` as users call it (greedy, stops at EOS)."""
-        start = time.perf_counter()
-        out = model.generate(
-            ids.unsqueeze(0),
-            attention_mask=torch.ones_like(ids).unsqueeze(0),
-            max_new_tokens=args.new_tokens,
-            do_sample=False,
-        )
-        return time.perf_counter() - start, out[0, ids.shape[0] :]
+    def hf(dtype: str) -> Callable[[torch.Tensor], tuple[float, torch.Tensor]]:
+        def run(ids: torch.Tensor) -> tuple[float, torch.Tensor]:
+            """``model.generate`` as users call it (greedy, stops at EOS)."""
+            start = time.perf_counter()
+            out = models[dtype].generate(
+                ids.unsqueeze(0),
+                attention_mask=torch.ones_like(ids).unsqueeze(0),
+                max_new_tokens=args.new_tokens,
+                do_sample=False,
+            )
+            return time.perf_counter() - start, out[0, ids.shape[0] :]
+
+        return run
 
     def ours(decoder: SpeculativeDecoder) -> Callable[[torch.Tensor], tuple[float, torch.Tensor]]:
         def run(ids: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -105,15 +112,18 @@ def main() -> None:
 
         return run
 
-    runners = {"generate": hf, "plain": ours(plain), "default": ours(default)}
+    runners = {f"generate {d}": hf(d) for d in generate_dtypes}
+    runners |= {"plain": ours(plain), "default": ours(default)}
+    systems = tuple(runners)  # the first pair's order; later pairs rotate it
     with output.open("a") as handle:
         for context in args.contexts:
             prompt = long_input_prompt(tokenizer, context, seed=context)
             for run in runners.values():  # warm-up
                 run(prompt)
-            ratios: dict[str, list[float]] = {"plain": [], "default": []}
+            ratios: dict[str, list[float]] = {}
             for pair in range(args.pairs):
-                order = SYSTEMS[pair % 3 :] + SYSTEMS[: pair % 3]
+                turn = pair % len(systems)
+                order = systems[turn:] + systems[:turn]
                 seconds, tokens = {}, {}
                 for system in order:
                     seconds[system], tokens[system] = runners[system](prompt)
@@ -123,33 +133,36 @@ def main() -> None:
                         f"tokens differ from plain decoding's at "
                         f"{_first_difference(tokens['default'], tokens['plain'])}"
                     )
-                row = {
-                    "context": context,
-                    "prompt_tokens": int(prompt.numel()),
-                    "pair": pair,
-                    "order": list(order),
-                    "generate_s": seconds["generate"],
-                    "engine_s": seconds["plain"],
-                    "default_s": seconds["default"],
-                    "speedup": seconds["generate"] / seconds["plain"],
-                    "default_speedup": seconds["generate"] / seconds["default"],
-                    "new_tokens": len(tokens["plain"]),
-                    "generate_new_tokens": len(tokens["generate"]),
-                    "engine_equals_generate": torch.equal(tokens["plain"], tokens["generate"]),
-                    "first_difference_from_generate": _first_difference(
-                        tokens["plain"], tokens["generate"]
-                    ),
-                    **env,
-                }
-                handle.write(json.dumps(row) + "\n")
-                handle.flush()
-                ratios["plain"].append(row["speedup"])
-                ratios["default"].append(row["default_speedup"])
-                keys = ("context", "pair", "generate_s", "engine_s", "default_s")
-                print(json.dumps({k: row[k] for k in keys}), flush=True)
+                for dtype in generate_dtypes:
+                    reference = f"generate {dtype}"
+                    row = {
+                        "context": context,
+                        "prompt_tokens": int(prompt.numel()),
+                        "pair": pair,
+                        "order": list(order),
+                        "generate_dtype": dtype,
+                        "generate_s": seconds[reference],
+                        "engine_s": seconds["plain"],
+                        "default_s": seconds["default"],
+                        "speedup": seconds[reference] / seconds["plain"],
+                        "default_speedup": seconds[reference] / seconds["default"],
+                        "new_tokens": len(tokens["plain"]),
+                        "generate_new_tokens": len(tokens[reference]),
+                        "engine_equals_generate": torch.equal(tokens["plain"], tokens[reference]),
+                        "first_difference_from_generate": _first_difference(
+                            tokens["plain"], tokens[reference]
+                        ),
+                        **env,
+                    }
+                    handle.write(json.dumps(row) + "\n")
+                    handle.flush()
+                    ratios.setdefault(f"plain / {reference}", []).append(row["speedup"])
+                    ratios.setdefault(f"default / {reference}", []).append(row["default_speedup"])
+                    keys = ("context", "pair", "generate_dtype", "generate_s", "engine_s")
+                    print(json.dumps({k: row[k] for k in (*keys, "default_s")}), flush=True)
             for system, values in ratios.items():
                 print(
-                    f"context {context}: {system} / generate median {statistics.median(values):.3f}"
+                    f"context {context}: {system} median {statistics.median(values):.3f}"
                     f" (min {min(values):.3f}, max {max(values):.3f})",
                     flush=True,
                 )

@@ -160,8 +160,11 @@ def engine_vs_generate(root: Path) -> Iterator[Figure]:
         for (model, cpu, dtype), group in keyed.items():
             commit = latest_commit(group)
             group = [r for r in group if r["commit"] == commit]
-            for (context,), rows in _groups(group, lambda r: (r["context"],)).items():
-                against = f"model.generate {rows[0].get('generate_dtype', dtype)}"
+            by_context = _groups(
+                group, lambda r, own=dtype: (r["context"], r.get("generate_dtype", own))
+            )
+            for (context, generate_dtype), rows in by_context.items():
+                against = f"model.generate {generate_dtype}"
                 systems = [("speedup", "plain engine")]
                 if all("default_speedup" in r for r in rows):
                     systems.append(("default_speedup", "default decoder"))
