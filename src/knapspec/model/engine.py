@@ -228,7 +228,7 @@ class SublayerEngine:
             the candidates (``F.linear``, the transposed products, oneDNN's packed product
             where the build has it and its weight copies fit in a quarter of the memory)
             on this machine once and caches the table (:mod:`knapspec.model.tuning.autotune`;
-            a one-time measurement with a progress bar the first time, a file read
+            a measurement with a progress bar the first time, a file read
             afterwards); ``"f.linear"`` runs every projection
             as the model's own module; ``"transposed"`` is engine revision r3's fixed
             choice; or a :class:`~knapspec.model.kernels.table.KernelTable`. None reads
