@@ -52,17 +52,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("bench/timing.py", "0.01 ms"): "the rounding of the measurement wing's own *_ms fields",
 }
 
-# TODO(issue 66): modules that other helpers are rewriting while this check lands. Their
-# docstrings still quote machines and timings; the lead empties this list after merging
-# those branches (moving each figure to results/ as the modules above did), and
-# an entry may go once its modules pass (decoding/batch.py already did at eb27f7c; it
-# stays listed while its rewrite is in flight).
-NOT_YET_CHECKED: tuple[str, ...] = (
-    "model/",
-    "decoding/batch.py",
-    "decoding/continuous.py",
-)
-
 
 def prose(source: str) -> Iterator[tuple[int, str]]:
     """``(line number, text)`` for every line of a docstring or comment in ``source``."""
@@ -105,10 +94,6 @@ def _modules() -> dict[str, str]:
         path.relative_to(PACKAGE_ROOT).as_posix(): path.read_text(encoding="utf-8")
         for path in sorted(PACKAGE_ROOT.rglob("*.py"))
     }
-
-
-def _not_yet_checked(module: str) -> bool:
-    return any(module == entry or module.startswith(entry) for entry in NOT_YET_CHECKED)
 
 
 def test_the_checker_flags_machines_and_timings() -> None:
@@ -172,10 +157,7 @@ def test_only_docstrings_and_comments_are_read() -> None:
 
 def test_no_docstring_names_a_machine_or_quotes_a_timing() -> None:
     found = [
-        finding
-        for module, source in _modules().items()
-        if not _not_yet_checked(module)
-        for finding in findings(module, source)
+        finding for module, source in _modules().items() for finding in findings(module, source)
     ]
     assert not found, (
         "docstrings and comments that name a machine or quote a timing (say the reason in "
@@ -189,11 +171,3 @@ def test_the_allow_list_is_still_needed() -> None:
     for module, phrase in ALLOWED:
         texts = [text for _, text in prose(sources.get(module, ""))]
         assert any(phrase in measurements(text) for text in texts), (module, phrase)
-
-
-def test_the_todo_list_names_modules_that_exist() -> None:
-    modules = _modules()
-    for entry in NOT_YET_CHECKED:
-        assert any(module == entry or module.startswith(entry) for module in modules), (
-            f"{entry} is in NOT_YET_CHECKED but no module is there: remove it"
-        )

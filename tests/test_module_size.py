@@ -52,11 +52,6 @@ def test_every_long_module_says_why() -> None:
     )
 
 
-# TODO(issue 66): model/ is being restructured on another branch; its one formatter switch
-# (model/tuning/probe.py, a call kept on two lines) goes with it, and then this entry goes.
-FORMATTER_SWITCH_TODO: tuple[str, ...] = ("model/",)
-
-
 def _shared_lines(source: str) -> list[int]:
     """Lines on which a statement starts after other code: after a ``;``, or as the body of
     a compound statement written on its header's line (a lone ``...`` stub excepted)."""
@@ -103,8 +98,7 @@ def test_no_code_is_packed_onto_one_line() -> None:
         module = path.relative_to(PACKAGE_ROOT).as_posix()
         source = path.read_text(encoding="utf-8")
         packed += [f"{module}:{line}: two statements" for line in _shared_lines(source)]
-        if not module.startswith(FORMATTER_SWITCH_TODO):
-            packed += [f"{module}:{line}: formatter off" for line in _formatter_switches(source)]
+        packed += [f"{module}:{line}: formatter off" for line in _formatter_switches(source)]
     assert not packed, (
         "code packed onto fewer lines (write one statement a line and let the formatter "
         f"lay it out; a module that outgrows {MAX_LINES} lines splits or says why): {packed}"

@@ -147,8 +147,8 @@ class BatchKVCache:
         """
         rows, positions = index
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # (rows, q, kvH, hd)
-        # One compiled copy per buffer where it serves (bitwise the indexed assignment,
-        # which cost ~50 µs a layer at 16 rows); a refused layout writes nothing.
+        # One compiled copy per buffer where it serves (bitwise the indexed assignment, whose
+        # per-layer cost showed in a 16-row round); a refused layout writes nothing.
         if (
             self._compiled_writes
             and scatter_(self._keys[layer], rows, positions, keys)
@@ -201,7 +201,7 @@ class BatchKVCache:
 
         Only the rows that change slot are copied, and only their valid tokens: a server
         retiring one of 16 rows of 8k capacity had copied every row's whole capacity
-        (about 0.4 GB at 1k capacity, 33 ms a retirement). Where no row moves into a slot
+        (about 0.4 GB at 1k capacity, on every retirement). Where no row moves into a slot
         another row is read from (what :meth:`BatchRun._retire` arranges: the last rows
         fill the holes), each moves directly; otherwise one gather up to the longest row."""
         lengths = [self.lengths[row] for row in rows]

@@ -228,7 +228,7 @@ class SublayerEngine:
             the candidates (``F.linear``, the transposed products, oneDNN's packed product
             where the build has it and its weight copies fit in a quarter of the memory)
             on this machine once and caches the table (:mod:`knapspec.model.tuning.autotune`;
-            about 20 s for SmolLM2-135M on a 2-core CPU the first time, a file read
+            a measurement with a progress bar the first time, a file read
             afterwards); ``"f.linear"`` runs every projection
             as the model's own module; ``"transposed"`` is engine revision r3's fixed
             choice; or a :class:`~knapspec.model.kernels.table.KernelTable`. None reads
@@ -253,8 +253,8 @@ class SublayerEngine:
             tokens up to it, never on how the sequence was split into calls: what a
             conversation's turns and a prompt resumed from a cached prefix need to equal a
             cold prefill bitwise. It costs prefill speed (the kernel reaches about half of
-            PyTorch's fused attention on long causal blocks: 1.2x / 1.6x the prefill time
-            at 512 / 2,048 tokens on a 2-core AMD EPYC). ``None`` (the default): off until
+            PyTorch's fused attention on long causal blocks, so the longer the prompt, the
+            more it costs; ``results/engine/HISTORY.md``). ``None`` (the default): off until
             a conversation or a prefix cache asks for it (:meth:`enable_chunk_invariance`);
             True: always; False: never (then cached prefixes are not used and a
             conversation's turns may differ from cold calls at a near-tie). See
@@ -478,10 +478,10 @@ class SublayerEngine:
     def _prefill_by_kernel(self) -> bool:
         """Whether a cold prefill attends through the row-invariant kernel (in 64-query
         blocks) rather than PyTorch's fused attention: where the kernel runs on
-        ``VDPBF16PS`` (AVX512-BF16 without tiles). On a 2-core AMD EPYC Zen 4 a causal bf16
-        prefill of 4,096 tokens (9 query / 3 K/V heads of 64) took 73 ms a layer there
-        against 147 ms in ``scaled_dot_product_attention``; on the vector path (193 ms) and
-        on an AMX Xeon the fused attention is kept. Plain and speculative decoding share
+        ``VDPBF16PS`` (AVX512-BF16 without tiles). There a long causal bf16 prefill attends
+        in about half the time of ``scaled_dot_product_attention``; on the vector path the
+        kernel is the slower one, and where the CPU has AMX tiles the fused attention is kept
+        too (figures: ``results/engine/HISTORY.md``). Plain and speculative decoding share
         the prefill, so this changes no comparison between them."""
         return self.exact_attention_path == "avx512-bf16"
 

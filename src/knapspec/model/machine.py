@@ -2,7 +2,8 @@
 
 Kernel tables (:mod:`knapspec.model.tuning.autotune`) and latency profiles
 (:mod:`knapspec.costmodels.profile`) are keyed by these, and every benchmark records them:
-the same few-row product is 1.6x faster one way on one x86 CPU and 2x slower on another.
+the same few-row product computed one way is faster on one x86 CPU and slower on another
+(``results/engine/HISTORY.md``, "Figures behind docstrings").
 """
 
 from __future__ import annotations

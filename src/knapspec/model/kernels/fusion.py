@@ -3,12 +3,11 @@
 A decode step of SmolLM2-135M makes 211 small matrix products; each call carries a fixed
 cost (Python, dispatch, the BLAS threads' hand-off) on top of streaming its weights. The
 query/key/value projections read the same normed input, and so do the MLP's gate and up
-projections: stacking their weights row-wise turns seven products a layer into four. On a
-2-core EPYC, a one-token step fell from 23.2 to 22.2 ms at 512 tokens and from 33.5 to
-32.5 ms at 4096; 2-8-token verify passes by 0.5-3 %; outputs were bit-identical. The
-engine fuses only few-row products (decode, verify): in a prefill the strided column
+projections: stacking their weights row-wise turns seven products a layer into four, three
+fixed costs fewer a layer, with bit-identical outputs. The engine fuses only few-row
+products (decode, verify), where that fixed cost weighs: in a prefill the strided column
 blocks of one fused output slowed the element-wise ops after it by more than the fusion
-saved (4 % slower at 2048 tokens).
+saved (figures: ``results/engine/HISTORY.md``, "Figures behind docstrings").
 
 The fused matrix is not a copy. The layers' ``weight`` (and ``bias``) parameters are
 re-pointed at row blocks of one new contiguous tensor, with the same values, so memory
@@ -53,8 +52,9 @@ class FusedProjection:
     views: tuple[tuple[torch.Tensor, torch.Tensor | None, int], ...]
 
     def is_current(self) -> bool:
-        """Whether every part still holds the views this fusion made (about 1 µs; a model
-        moved with ``.to()`` or a layer given a new parameter fails it)."""
+        """Whether every part still holds the views this fusion made (a few identity and
+        pointer comparisons, cheap enough for every step; a model moved with ``.to()`` or a
+        layer given a new parameter fails it)."""
         for part, (weight, bias, pointer) in zip(self.parts, self.views, strict=True):
             parameters = part._parameters
             if parameters["weight"] is not weight or weight.data_ptr() != pointer:

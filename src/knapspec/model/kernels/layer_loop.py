@@ -2,9 +2,10 @@
 
 A lean exact pass (:class:`~knapspec.model.passes.exact_pass.ExactLayerPass`) runs, per layer,
 about fifteen Python-level calls: the compiled RMSNorm, rotary, K/V writes, attention and
-products, a few tensor operations between them, and the Python around each. On a 2-core
-AMD EPYC Zen 4 (bfloat16, SmolLM2-135M, 30 layers) those calls with their kernels stubbed
-out still took 3.5 of a 13.7 ms one-token step, 3.9 of a 15.8 ms five-token verification.
+products, a few tensor operations between them, and the Python around each. With their
+kernels stubbed out, those calls alone still took about a quarter of a one-token step and
+of a five-token verification (bfloat16, SmolLM2-135M, 30 layers; figures:
+``results/engine/HISTORY.md``).
 
 :func:`run_layers` hands the whole layer loop to one C function that calls the same
 kernels through their function pointers with the same arguments, and does the steps

@@ -2,9 +2,9 @@
 
 Besides its products, a decode step of SmolLM2-135M ran ~1,200 PyTorch operations of a
 few microseconds each: RMSNorm is eight (cast, square, mean, add, rsqrt, multiply, cast,
-scale), rotary fourteen, a K/V write two indexed copies. On a 2-core AMD EPYC Zen 4
-(bfloat16, torch 2.13) the small operations and their Python were 8.6 ms of a 24 ms
-one-row step and 13 ms of a 42 ms 16-row batched round. Three become one call each:
+scale), rotary fourteen, a K/V write two indexed copies. In bfloat16 the small operations
+and their Python were about a third of a one-row step and of a 16-row batched round
+(figures: ``results/engine/HISTORY.md``). Three become one call each:
 
 - :func:`rms_norm`: the Llama/Qwen/Mistral RMSNorm, variance in float32, and Gemma's
   (scaled by ``1 + weight`` in float32 before the one cast);

@@ -1,14 +1,14 @@
 """The oneDNN kernel: ``x @ W.T`` against a copy of ``W`` reordered once into oneDNN's
 blocked layout.
 
-``F.linear`` on CPU goes to the BLAS (MKL here), which for a product of a few rows against
-a large matrix is far from the memory bandwidth: on a 2-core AMD EPYC (family 25, AVX-512,
-MKL) SmolLM2's ``49152 × 576`` LM head takes 11 ms for 1 row and 36 ms for 11, and the
-``3072 × 576`` fused gate/up 0.14 ms and 0.58 ms. The same products through oneDNN's
-inner-product primitive, with the weight reordered beforehand (what PyTorch's own
-``torch.compile`` CPU backend does under ``freezing``), take 4.7 and 5.0 ms, and 0.08 and
-0.20 ms. Even a 2048-row prefill product is 10-18 % faster. Whether it wins on another CPU
-is for :mod:`knapspec.model.tuning.autotune` to measure; nothing here assumes it.
+``F.linear`` on CPU goes to the BLAS (MKL, say), which for a product of a few rows against
+a large matrix can be far from the memory bandwidth, and slows down with every row it
+adds (SmolLM2's ``49152 × 576`` LM head, its ``3072 × 576`` fused gate/up). The same
+products through oneDNN's inner-product primitive, with the weight reordered beforehand
+(what PyTorch's own ``torch.compile`` CPU backend does under ``freezing``), streamed the
+weight nearly once whatever the row count, and even 2048-row prefill products came out
+ahead (figures: ``results/engine/HISTORY.md``). Whether it wins on the machine at hand is
+for :mod:`knapspec.model.tuning.autotune` to measure; nothing here assumes it.
 
 The reordered copy costs memory: as much again as the weights it serves (about 0.4 GB for
 SmolLM2-135M in float32, LM head included). It is made on the first product that needs it,

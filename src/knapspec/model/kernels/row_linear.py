@@ -3,25 +3,23 @@
 BLAS picks its blocking, and with it the summation order, from the row count, so a row of a
 verification product need not equal the same row's one-row product (the exactness
 contract, ``docs/theory.md``). The probe (:mod:`knapspec.model.tuning.invariance`) finds which of
-the framework's kernels keep it on the machine at hand; on a 2-core Intel Xeon with AMX
-none did for float32's ``576x1536`` down projection, and bfloat16 ran the slow
-``transposed-padded`` product. This kernel (``csrc/row_linear.c``) takes the choice away
+the framework's kernels keep it on the machine at hand, and on some CPUs none does for a
+shape (float32's ``576x1536`` down projection, on one with AMX), or only a slow one does
+(``transposed-padded`` in bfloat16). This kernel (``csrc/row_linear.c``) takes the choice away
 from the library: every output element is a dot product accumulated chunk by chunk in
 ``k`` order in one vector accumulator, its lanes summed by one fixed tree, whatever the
 row count, so rows never share arithmetic. A block of weight rows stays in cache while
 every input row passes over it, so a few-row product costs about what one row costs; in
 bfloat16 it runs on VDPBF16PS where the CPU has AVX512-BF16.
 
-Measured on that Xeon (2 threads, torch 2.13, µs per product, ``F.linear`` / this kernel):
-float32 ``576x1536`` 33 / 30 at 1 row, 50 / 41 at 4; bfloat16 ``960x576`` 49 / 13 at 1 row,
-49 / 32 at 4, 50 / 115 at 16 (oneDNN's AMX tiles win from about 8 rows; the probe's
-timing decides per shape).
+At a few rows it beat ``F.linear`` on the shapes tried; from about 8 bfloat16 rows oneDNN's
+AMX tiles won, so the probe's timing decides per shape (figures: ``results/engine/HISTORY.md``).
 
 ``packed-linear`` (bfloat16 on CPUs with AVX512-BF16) keeps the contract another way: the
 weight packed once in VNNI order, each output element one float32 lane accumulating the pairs
-of ``k`` in order, no lane sums. On a 2-core AMD EPYC Zen 4 it ran SmolLM2's products
-1.2-1.7x faster than ``row-linear`` at every row count from 1 to 512, at the cost of a
-second copy of each weight it runs.
+of ``k`` in order, no lane sums: the pairs go through ``VDPBF16PS`` without a lane
+reduction per element, so it ran SmolLM2's products faster than ``row-linear`` at every row
+count tried from 1 to 512, at the cost of a second copy of each weight it runs.
 
 Where the C compiler is missing, the kernel runs each row as its own one-row ``F.linear``
 (row-invariant as well; slower at many rows) and says so once.

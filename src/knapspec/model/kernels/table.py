@@ -14,12 +14,12 @@ CPU and its BLAS, not on the model:
   tiles, the third on a weight packed for VDPBF16PS, both bfloat16), candidates of exact
   engines only.
 
-On a 2-core AMD EPYC (MKL, AVX2) ``F.linear`` re-reads ``W`` for every row of a few-row
-product (SmolLM2's ``49152 × 576`` LM head: 7.3 ms for 1 row, 22.2 ms for 3), while
-``(W @ x.T).T`` streams ``W`` once for up to four rows (2.4-2.9 ms; 1 and 3 rows only when
-padded), and a whole decode step was 1.6x faster (``results/engine/small_row_linear.jsonl``).
-On a 2-core Intel Xeon (AVX-512, MKL) the same transposed path made a decode step 2x
-*slower* than ``F.linear``. So nothing here is hard-coded: a :class:`KernelTable` says,
+On one CPU ``F.linear`` re-read ``W`` for every row of a few-row product (SmolLM2's
+``49152 × 576`` LM head), while ``(W @ x.T).T`` streamed ``W`` once for up to four rows (1
+and 3 rows only when padded) and made a whole decode step faster
+(``results/engine/small_row_linear.jsonl``); on another the same transposed path made a
+decode step *slower* than ``F.linear`` (``results/engine/HISTORY.md``, "Figures behind
+docstrings"). So nothing here is hard-coded: a :class:`KernelTable` says,
 per weight shape and row count, which kernel to run and whether to run each layer's
 q/k/v and gate/up projections as one fused product; :mod:`knapspec.model.tuning.autotune`
 measures it on the machine at hand, and anything but a float32 model on CPU gets
@@ -118,10 +118,10 @@ def blocked(kernel: Kernel, height: int) -> Kernel:
 
     Where ``kernel`` keeps every row of a product of 1 .. ``height`` rows bitwise equal to
     that row alone (its BLAS picks one blocking for those counts), the blocked kernel keeps
-    it for *every* row count: each block is such a product. On a 2-core Intel Xeon with AMX,
-    bfloat16 ``F.linear`` (oneDNN on the AMX tiles) kept rows up to 32 and changed them from
-    33 rows on; in blocks of 32 it is row-invariant at any count and still runs on the
-    tiles. Shapes: ``x (..., in)``, ``weight (out, in)`` -> ``(..., out)``."""
+    it for *every* row count: each block is such a product. Where bfloat16 ``F.linear`` runs
+    on the AMX tiles (oneDNN), it was seen to keep rows up to 32 and change them from 33 rows
+    on; in blocks of 32 it is row-invariant at any count and still runs on the tiles.
+    Shapes: ``x (..., in)``, ``weight (out, in)`` -> ``(..., out)``."""
 
     def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         in_features = x.shape[-1]
@@ -363,9 +363,9 @@ class KernelTable:
         Latency profiles store it; a profile timed under another table is not reused. A
         table that runs the compiled kernels names their build too (source, compiler,
         flags, CPU) and that of the layer operations an exact engine runs beside them
-        (``layer_ops.c``): a faster build makes the old timings wrong (the prefetch took a
-        16-row bf16 step from 55 to 46 ms on a Zen 4, the layer operations 42 to 35) and
-        they are measured again.
+        (``layer_ops.c``): a faster build makes the old timings wrong (adding a prefetch
+        to the kernels shortened a 16-row bf16 step by a sixth; ``results/engine/HISTORY.md``)
+        and they are measured again.
         """
         if self.is_plain:
             return PLAIN_KERNEL

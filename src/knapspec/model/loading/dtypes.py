@@ -1,9 +1,10 @@
 """Which dtype to decode in: ``float32``, ``bfloat16``, or ``auto`` (chosen by measurement).
 
 bfloat16 halves the bytes every step reads, and on CPUs with bf16 units (AMX tiles, or
-AVX512-BF16 dot products) oneDNN turns that into speed: on a 2-core Intel Xeon with AMX a
-bf16 prefill ran 2.2-2.9x float32, and verifying 16 tokens cost 1.54x a one-token step
-against 2.40x in float32 (``../shared/models.md``). On a CPU without them bf16 products are
+AVX512-BF16 dot products) oneDNN turns that into speed: on AMX tiles a bf16 prefill ran
+more than twice as fast as float32, and a 16-token verification cost much less over a
+one-token step than in float32 (``../shared/models.md``, ``results/engine/HISTORY.md``).
+On a CPU without them bf16 products are
 widened to float32 on the fly, which is slower than float32 itself. So ``auto`` means:
 
 * float32 on a CPU whose flags list neither ``amx_bf16`` nor ``avx512_bf16`` (no timing:

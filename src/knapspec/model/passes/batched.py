@@ -13,10 +13,10 @@ of 9 tokens, not 24. Packed, only the real tokens' K/V are written. Attention st
 padded call unless padding would at least double the attended queries
 (:func:`splits_attention`): then the pass splits it, every row's first token in one
 batched call (a plain batched step) and each wider row's later queries alone over its own
-keys. On a 2-core AMD EPYC a 2048-token round of four rows of widths (11, 1, 1, 1) spent
-3.4 ms per layer in the padded call and 1.4-1.7 ms row by row, while near-equal widths ran
-faster padded (one call, no per-row masks), and width-1 rows attended one call per row
-read their caches 1.5x slower than in one batched call at 8 rows.
+keys. A 2048-token round of four rows of widths (11, 1, 1, 1) spent about twice as long
+per layer in the padded call as row by row, while near-equal widths ran faster padded (one
+call, no per-row masks), and width-1 rows attended one call per row read their caches more
+slowly than in one batched call at 8 rows (figures: ``results/engine/HISTORY.md``).
 
 Under a :class:`~knapspec.types.SublayerMask` (a layer-skipping draft step shared by the
 batch's rows) only the executed items run; a skipped attention item writes no K/V. The
@@ -332,7 +332,7 @@ def forward_batch(
         packed_logits: with ``all_logits``, return the ``(Σ q_r, vocab)`` logits of the
             real tokens, row after row, instead of the padded ``(rows, q, vocab)``: a
             fresh padded tensor of logits is tens of MB to zero (4 rows × 11 tokens ×
-            49152 entries: 8.6 MB, about 10 ms on a 2-core AMD EPYC, mostly page faults).
+            49152 entries: 8.6 MB, whose zeroing is mostly page faults).
 
     Returns:
         ``(rows, q, vocab)`` float32 logits (zeros at padded positions when packed),

@@ -7,9 +7,9 @@ norms around the MLP, the fused gate/up product, the activation, the down produc
 Through the engine's general methods each item also recomputed what is the same for all
 of a pass's layers (the rotary tables' layout, the K/V write indices' checks, the
 attention's per-row lengths, thread split and unit), checked its inputs' layouts again and
-padded ragged rows one slice at a time: on a 2-core AMD EPYC Zen 4 (bfloat16,
-SmolLM2-135M) a one-row round spent 5.3 of its 13.5 ms outside the kernels, a 16-row round
-7.8 of 28.8 ms.
+padded ragged rows one slice at a time: in bfloat16 a one-row round of SmolLM2-135M spent
+more than a third of its time outside the kernels, a 16-row round more than a quarter
+(figures: ``results/engine/HISTORY.md``).
 
 :class:`ExactLayerPass` prepares that work once per pass and runs each item with the
 same kernels on the same inputs, so every output and every K/V entry is bitwise what the
@@ -393,8 +393,8 @@ class ExactLayerPass:
 def query_lengths(starts: Sequence[int], widths: Sequence[int], q_len: int) -> torch.Tensor:
     """``(rows, q_len)`` int64: query ``i`` of row ``r`` sees ``starts[r] + i + 1`` keys;
     padding queries (``i >= widths[r]``) see one. Built in a few tensor ops: a loop of one
-    ``arange`` per row, run for each of 30 layers, had cost 2 ms of a 16-row round; a pass
-    builds them once for all its layers."""
+    ``arange`` per row, run for each of 30 layers, had cost a visible share of a 16-row
+    round; a pass builds them once for all its layers."""
     start = torch.tensor(starts, dtype=torch.int64)[:, None]
     width = torch.tensor(widths, dtype=torch.int64)[:, None]
     offsets = torch.arange(q_len, dtype=torch.int64)[None, :]

@@ -8,14 +8,14 @@ fused product beats its parts, and finally checks the result with whole engine s
 Products over ``SMALL_ROWS`` rows (a prefill, a batched verification) get a kernel per
 shape too, ``F.linear`` or oneDNN's packed product, timed at 64 and 512 rows and checked
 with a whole 256-token forward. oneDNN (:mod:`knapspec.model.kernels.onednn`) is tried only where
-the build has it and its weight copies fit in a quarter of the machine's memory: on a
-2-core AMD EPYC (family 25, AVX-512) it made an 11-token verify step 1.6x and a
-2048-token prefill 1.1x faster than the transposed kernel and ``F.linear``.
+the build has it and its weight copies fit in a quarter of the machine's memory: where
+the BLAS is slow at few rows it can beat the transposed kernel and ``F.linear`` on verify
+steps and prefills alike (``results/engine/HISTORY.md``).
 
 How it times matters. One cache-resident matrix timed in isolation gives the wrong answer:
-on a 2-core AMD EPYC the transposed kernel looks 0.7-0.85x as fast as ``F.linear`` on a
-small matrix timed alone, yet a whole decode step with it is 1.6x faster, because in the
-model every weight streams from memory. So one *pass* multiplies every layer's weights of
+the transposed kernel has looked slower than ``F.linear`` on a small matrix timed alone
+where a whole decode step with it was faster (``results/engine/HISTORY.md``), because in
+the model every weight streams from memory. So one *pass* multiplies every layer's weights of
 the model in model order (all separate projections and the LM head; then, in a second
 pass, all fused ones), far more data than any cache holds, and each call is timed inside
 the pass. Then, for every row count of a decode, draft or verify step (``1 .. D + 1``),
@@ -33,8 +33,8 @@ stop at a time budget (``VALIDATE_BUDGET_SECONDS``; the decode step first).
 
 :func:`load_or_tune` caches the table under ``cache_root()/kernels/``, keyed by
 :class:`KernelKey` (CPU model and flags, BLAS, torch version, threads, dtype, the model's
-linear shapes): the first engine on a machine pays the measurement (about 20 s for
-SmolLM2-135M on a 2-core CPU, with a progress bar), later ones read a file.
+linear shapes): the first engine on a machine pays the measurement (once, with a progress
+bar), later ones read a file.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A speculative decoder is exact only if verifying ``k`` tokens computes, for each, what a
 one-token step computes (``docs/theory.md``, "The exactness contract"). For the linear
 products that means: a kernel's output for a row must not depend on how many rows are in
-the product. BLAS kernels do not promise it. On a 2-core AMD EPYC (torch 2.13, MKL) float32
+the product. BLAS kernels do not promise it. On one CPU (``results/engine/HISTORY.md``) float32
 ``F.linear`` changed a row's result between 1 and 2 rows for every SmolLM2 weight shape,
 while oneDNN's packed inner product and bfloat16 ``F.linear`` (oneDNN as well) kept every
 row bitwise equal from 1 to 160 rows. Another CPU, BLAS or thread count may differ, so
@@ -17,8 +17,8 @@ contract:
   may pack more than :data:`~knapspec.model.kernels.table.SMALL_ROWS` rows): each candidate (the
   table's own choices, oneDNN, ``F.linear``, the transposed ones) is probed as it is and,
   where that fails, in blocks of 32, 16, .. 2 rows (:func:`~knapspec.model.kernels.table.blocked`:
-  on an AMX Xeon bf16 ``F.linear`` keeps rows up to 32, so in blocks of 32 it keeps the
-  contract on the AMX tiles); among those that pass, the fastest by a timing of decode,
+  on the AMX tiles bf16 ``F.linear`` has kept rows up to 32, so in blocks of 32 it keeps the
+  contract there); among those that pass, the fastest by a timing of decode,
   verification and prefill sizes (:data:`TIMED_ROWS`) runs. The clock ranks every
   candidate and the probe runs fastest first until one passes (:func:`_choose`): the
   probe has the last word on what runs;
@@ -166,8 +166,8 @@ def _candidates(
 #: every speculative step that drafts nothing (γ = 0, common where nothing pays), 4 and 8
 #: rows in lookup verifications, 16 in a draft-model or tree verification, 64 in a packed
 #: batch. A cold prefill is not scored: it runs the measured kernels (``SublayerEngine``);
-#: a prefill term outweighed the decode rows and chose a kernel 2-3x slower at 1 row on an
-#: AMX Xeon.
+#: a prefill term outweighed the decode rows and chose a kernel that was several times
+#: slower at 1 row (``results/engine/HISTORY.md``).
 TIMED_ROWS: dict[int, float] = {1: 4.0, 4: 1.0, 8: 0.5, 16: 0.25, 64: 1 / 32}
 
 
@@ -383,9 +383,9 @@ def _fuse_by_construction(
     place: ``fuse`` and the fused shape's kernel). Those kernels compute every output
     element alone, the same arithmetic whatever the other outputs, so the fused product is
     bitwise its parts and the probe has nothing to decide; the group's one call instead of
-    two or three saved 1 ms of a 27 ms bf16 decode step of SmolLM2 on a 2-core AMD EPYC Zen
-    4 (more at more rows). (The AMX kernel is left out: its tiles win only at many rows,
-    where nothing runs fused.)"""
+    two or three saves a call's fixed cost per group and layer (more at more rows;
+    ``results/engine/HISTORY.md``). (The AMX kernel is left out: its tiles win only at many
+    rows, where nothing runs fused.)"""
     for role in fused_roles:
         parts = [part for part in separate if part.name in role.parts]
         if fuse.get(role.name) or len(parts) != len(role.parts):

@@ -9,12 +9,11 @@ timed at :data:`PREFILL_LENGTHS` tokens through each candidate, the measured tab
 kernels for many rows (``F.linear`` where it has none) and the row-invariant ones, and the
 faster runs: the row-invariant kernels up to the longest timed prompt below which they won
 every length (:class:`RowSwitch`), the measured ones beyond. Whole prefills rather than
-single products, because the products alone misjudge it: on a 2-core AMD EPYC Zen 4 in
-bf16 the packed row-invariant product beat ``F.linear`` by 3-8 % on isolated 256- and
-1,024-row products, but prefilled SmolLM2 prompts of 53 / 779 tokens in 44 / 605 ms
-against 63 / 701 ms (its weights are already packed and warm from decoding). In fp32 there
-oneDNN's packed product stayed ahead (97 against 122 ms at 53 tokens); on an AMX Xeon in
-bf16 the framework's products (AMX tiles) prefilled 4,096 tokens in 2.5 s against 3.6 s.
+single products, because the products alone misjudge it: in bf16 the packed row-invariant
+product has beaten ``F.linear`` by a little on isolated 256- and 1,024-row products and by
+more on whole SmolLM2 prefills (its weights are already packed and warm from
+decoding), while in fp32 oneDNN's packed product stayed ahead, and on AMX tiles the
+framework's products won bf16 prefills (figures: ``results/engine/HISTORY.md``).
 The timings are cached under ``cache_root()/prefill/`` like the probe's verdicts.
 """
 
@@ -52,7 +51,7 @@ PREFILL_REVISION = 2
 
 #: The most weight-elements x tokens one timed prefill may multiply (a 2,048-token prompt
 #: through a 0.75B model): longer prompts are not timed on bigger models, whose 2,048-token
-#: prefills take a minute or more on a 2-core CPU (each length is timed 5 times). The
+#: prefills take far longer than a decode step on a CPU (each length is timed 5 times). The
 #: shortest length is always timed; lengths past the last timed one follow its verdict.
 PREFILL_BUDGET = 1.5e12
 

@@ -19,8 +19,8 @@ from knapspec.model.kernels.table import SMALL_ROWS, Kernel
 
 #: Row counts every candidate is probed at (against each row's one-row product): every
 #: few-row count of decoding, both sides of the block heights BLAS and oneDNN switch at (16,
-#: 32, 64: on a 2-core Intel Xeon with AMX, bfloat16 ``F.linear`` kept every row up to 32
-#: rows and changed them from 33), and packed batched-verification counts past them.
+#: 32, 64: on the AMX tiles, bfloat16 ``F.linear`` has kept every row up to 32 rows and
+#: changed them from 33), and packed batched-verification counts past them.
 PROBE_ROWS: tuple[int, ...] = (*range(2, SMALL_ROWS + 1), 17, 24, 31, 32, 33, 48, 63, 64, 65, 96)
 
 #: Row counts at which the probe also shifts every row to other positions beside other rows
@@ -44,7 +44,7 @@ def cancelling_inputs(
     On random inputs a kernel whose float32 accumulation order depends on the row count
     changes a bfloat16 output only when the difference crosses a rounding boundary: about
     one element in ten thousand, so a probe on random inputs passes such a kernel most of
-    the time (it did on an AMX Xeon: ``F.linear`` for a ``32x64`` bf16 weight, then a
+    the time (it did on the AMX tiles: ``F.linear`` for a ``32x64`` bf16 weight, then a
     broken verification). Here half the input columns hold large values that cancel in
     pairs (``x[:, p] = -x[:, q]`` and ``W[:, p] = W[:, q]``, so their products cancel
     exactly), and the small remainder is added onto partial sums ``2**12`` times larger:
@@ -129,9 +129,13 @@ def first_violation(
     x = torch.randn(most, weight.shape[1], generator=generator).to(weight.device, weight.dtype)
     with torch.inference_mode():
         cancel = _first_violation(
-            kernel, x_cancel.to(weight.device), w_cancel.to(weight.device), bias, counts,
+            kernel,
+            x_cancel.to(weight.device),
+            w_cancel.to(weight.device),
+            bias,
+            counts,
             rotate=True,
-        )  # fmt: skip
+        )
         own = _first_violation(kernel, x, weight, bias, counts, rotate=False)
     found = [m for m in (cancel, own) if m is not None]
     return min(found) if found else None
