@@ -4,7 +4,10 @@
 Side by side in one process, interleaved triples after a warm-up (generate, plain,
 default; the order rotates each pair), prefill included, greedy, a real model and real
 text (the long-input prompts of ``knapspec.bench.prompts``: a novel's passage to
-summarise). The default decoder must equal plain decoding token for token (the run stops
+summarise). Each prompt is decoded once before its timed calls and then once per pair by
+each system; no call drafts from an earlier call's answer (the prefix cache is off and the
+lookup history empty, as by default), while what the planner learned of acceptance carries
+over between calls, as in ``knapspec bench``. The default decoder must equal plain decoding token for token (the run stops
 if not); whether the engine's tokens equal ``model.generate``'s is recorded, not required
 (another kernel sums in another order, and greedy decoding can turn on one ulp). Every
 line records the CPU, its vector flags, the BLAS, both dtypes and the engine's kernel
@@ -32,6 +35,7 @@ from pathlib import Path
 import torch
 
 from knapspec.bench.env import environment, kernel_record
+from knapspec.bench.methods import forget_earlier_calls
 from knapspec.bench.prompts import long_input_prompt
 from knapspec.decoding.decoder import SpeculativeDecoder
 from knapspec.model.loading.provision import load_model_and_tokenizer
@@ -106,6 +110,7 @@ def main() -> None:
 
     def ours(decoder: SpeculativeDecoder) -> Callable[[torch.Tensor], tuple[float, torch.Tensor]]:
         def run(ids: torch.Tensor) -> tuple[float, torch.Tensor]:
+            forget_earlier_calls(decoder)  # no call drafts from an earlier call's answer
             start = time.perf_counter()
             out = decoder.generate(ids, max_new_tokens=args.new_tokens, eos_token_id=eos)
             return time.perf_counter() - start, out.tokens
