@@ -1,16 +1,16 @@
 """The knapspec engine, plain (γ = 0 every round) and with the default decoder, vs
 ``model.generate``.
 
-Side by side in one process, interleaved triples after a warm-up (generate, plain,
-default; the order rotates each pair), prefill included, greedy, a real model and real
-text (the long-input prompts of ``knapspec.bench.prompts``: a novel's passage to
-summarise). Each prompt is decoded once before its timed calls and then once per pair by
-each system; no call drafts from an earlier call's answer (the prefix cache is off and the
-lookup history empty, as by default), while what the planner learned of acceptance carries
-over between calls, as in ``knapspec bench``. The default decoder must equal plain decoding token for token (the run stops
-if not); whether the engine's tokens equal ``model.generate``'s is recorded, not required
-(another kernel sums in another order, and greedy decoding can turn on one ulp). Every
-line records the CPU, its vector flags, the BLAS, both dtypes and the engine's kernel
+Side by side in one process, interleaved triples after a warm-up (generate, plain, default;
+the order rotates each pair), prefill included, greedy, a real model and real text (the
+long-input prompts of ``knapspec.bench.prompts``: a novel's passage to summarise). Each
+prompt is decoded once before its timed calls and then once per pair by each system; no call
+drafts from an earlier call's answer (the prefix cache is off and the lookup history empty,
+as by default), while what the planner learned of acceptance carries over between calls, as
+in ``knapspec bench``. The default decoder must equal plain decoding token for token (the
+run stops if not); whether the engine's tokens equal ``model.generate``'s is recorded, not
+required (another kernel sums in another order, and greedy decoding can turn on one ulp).
+Every line records the CPU, its vector flags, the BLAS, both dtypes and the engine's kernel
 table: a ratio holds for that machine only.
 
     python benchmarks/engine_vs_generate.py [--model gemma-3-270m] [--contexts 512 2048 4096]
@@ -19,8 +19,7 @@ table: a ratio holds for that machine only.
 ``--dtype`` is the engine's (plain and default); ``--generate-dtypes`` (default: the same)
 ``model.generate``'s, each timed in every pair on its own copy of the weights; a line per
 pair and ``model.generate`` dtype. Lines are appended to
-``results/engine/engine_vs_generate-<model>.jsonl``.
-"""
+``results/engine/engine_vs_generate-<model>.jsonl``."""
 
 from __future__ import annotations
 
