@@ -57,6 +57,13 @@ def main() -> None:
     )
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096])
     parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument(
+        "--first-pair",
+        type=int,
+        default=0,
+        help="index of the first pair (its order's rotation): runs interleaved with another "
+        "system's process each take one pair",
+    )
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
@@ -125,7 +132,7 @@ def main() -> None:
             for run in runners.values():  # warm-up
                 run(prompt)
             ratios: dict[str, list[float]] = {}
-            for pair in range(args.pairs):
+            for pair in range(args.first_pair, args.first_pair + args.pairs):
                 turn = pair % len(systems)
                 order = systems[turn:] + systems[:turn]
                 seconds, tokens = {}, {}

@@ -9,7 +9,13 @@ torch, and its build is its own):
         --output /tmp/prompts.json --write-gguf /tmp/gguf
     # 2. in llama-cpp-python's: greedy decoding of each prompt, prefill included
     <venv>/bin/python benchmarks/llamacpp_gguf.py time --gguf gemma-3-270m-q4_k_m.gguf \
-        --prompts /tmp/prompts.json --threads 2 --new-tokens 128 --pairs 3
+        --prompts /tmp/prompts.json --threads 2 --new-tokens 128 --pairs 3 [--no-extra-buffers]
+
+``--no-extra-buffers`` turns off llama.cpp's extra weight buffer types (its repacked and AMX
+layouts; ``use_extra_bufts`` in ``llama_model_params``), which llama-cpp-python does not
+expose: the build it compiles by default on a CPU with AMX can crash in ``llama_decode``
+with them on (a KVM-hosted Xeon with ``amx_int8``), and they are off in every line that
+says ``"extra_buffer_types": false``.
 
 Each line (appended to ``results/engine/llamacpp-<gguf stem>.jsonl``) records the seconds
 of one call (prefill + ``new_tokens`` greedy tokens; a call that meets an end-of-sequence
@@ -84,10 +90,27 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _without_extra_buffer_types(llama_cpp: Any) -> None:
+    """Make every model llama-cpp-python loads from now on skip the extra weight buffer
+    types: ``Llama`` reads its defaults from ``llama_model_default_params`` and has no
+    argument for this field."""
+    bindings = llama_cpp.llama_cpp  # the ctypes module ``Llama`` calls
+    defaults = bindings.llama_model_default_params
+
+    def without() -> Any:
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    bindings.llama_model_default_params = without
+
+
 def time_gguf(args: argparse.Namespace) -> None:
     """Time greedy decoding of each prompt through llama-cpp-python (its environment)."""
     import llama_cpp
 
+    if not args.extra_buffers:
+        _without_extra_buffer_types(llama_cpp)
     spec = json.loads(args.prompts.read_text())
     longest = max(len(p["ids"]) for p in spec["prompts"]) + args.new_tokens + 8
     llm = llama_cpp.Llama(
@@ -107,6 +130,7 @@ def time_gguf(args: argparse.Namespace) -> None:
         "gguf_sha256": _sha256(args.gguf),
         "model": spec["model"],
         "threads": args.threads,
+        "extra_buffer_types": args.extra_buffers,
         "commit": _commit(),
     }
     output = args.output or Path(f"results/engine/llamacpp-{args.gguf.stem}.jsonl")
@@ -169,6 +193,12 @@ def main() -> None:
     t.add_argument("--new-tokens", type=int, default=128)
     t.add_argument("--pairs", type=int, default=3)
     t.add_argument("--output", type=Path, default=None)
+    t.add_argument(
+        "--no-extra-buffers",
+        dest="extra_buffers",
+        action="store_false",
+        help="turn off llama.cpp's repacked/AMX weight buffers (use_extra_bufts)",
+    )
     args = parser.parse_args()
     if args.step == "prompts":
         prompts(args)

@@ -182,6 +182,77 @@ def engine_vs_generate(root: Path) -> Iterator[Figure]:
                         else "python benchmarks/engine_vs_generate.py",
                         str(path.relative_to(root.parent)),
                     )
+            yield from _engine_rates(path, root, model, cpu, dtype, commit, group)
+
+
+def _engine_rates(
+    path: Path,
+    root: Path,
+    model: str,
+    cpu: str,
+    dtype: str,
+    commit: str,
+    group: Sequence[Mapping[str, Any]],
+) -> Iterator[Figure]:
+    """Tokens per second of each system in ``engine_vs_generate`` lines (prefill
+    included), per context: what a reader sets beside llama.cpp's rates. Calls that made
+    fewer than the run's full count of new tokens are left out (counted)."""
+    for context, rows in _groups(group, lambda r: (r["context"],)).items():
+        full = max(int(r["new_tokens"]) for r in rows)
+        systems: dict[str, list[float]] = {}
+        dropped = 0
+        for r in rows:
+            if int(r["new_tokens"]) != full or int(r.get("generate_new_tokens", full)) != full:
+                dropped += 1
+                continue
+            systems.setdefault("plain engine", []).append(full / r["engine_s"])
+            if "default_s" in r:
+                systems.setdefault("default decoder", []).append(full / r["default_s"])
+            generate = f"model.generate {r.get('generate_dtype', dtype)}"
+            systems.setdefault(generate, []).append(full / r["generate_s"])
+        for system, values in systems.items():
+            yield Figure(
+                "engine vs generate, rates",
+                cpu,
+                dtype,
+                commit,
+                f"{model}, ~{context[0]} prompt tokens: {system}, {full} new tokens",
+                tuple(values),
+                "tok/s",
+                f"python benchmarks/engine_vs_generate.py --model {model}",
+                str(path.relative_to(root.parent)),
+                dropped,
+            )
+
+
+def llamacpp_runs(root: Path) -> Iterator[Figure]:
+    """``benchmarks/llamacpp_gguf.py``: llama.cpp's tokens per second (prefill included)
+    on a GGUF, per model, CPU class and context, at the latest commit; the dtype column is
+    the GGUF's weight format. Calls that stopped early are left out (counted)."""
+    for path in sorted((root / "engine").glob("llamacpp-*.jsonl")):
+        records = read_lines(path)
+        keyed = _groups(records, lambda r: (r.get("model", "?"), cpu_class(r)))
+        for (model, cpu), group in keyed.items():
+            commit = latest_commit(group)
+            group = [r for r in group if r["commit"] == commit]
+            weights = Path(str(group[0]["gguf"])).stem.rsplit("-", 1)[-1].upper()
+            for context, rows in _groups(group, lambda r: (r["context"],)).items():
+                full = max(int(r["new_tokens"]) for r in rows)
+                kept = [r for r in rows if int(r["new_tokens"]) == full]
+                extra = "" if rows[0].get("extra_buffer_types", True) else ", extra buffers off"
+                yield Figure(
+                    "llama.cpp",
+                    cpu,
+                    f"GGUF {weights}",
+                    commit,
+                    f"{model}, ~{context[0]} prompt tokens: llama-cpp-python "
+                    f"{rows[0].get('llama_cpp_python', '?')}, {full} new tokens{extra}",
+                    tuple(full / r["seconds"] for r in kept),
+                    "tok/s",
+                    "python benchmarks/llamacpp_gguf.py time ... (see its docstring)",
+                    str(path.relative_to(root.parent)),
+                    len(rows) - len(kept),
+                )
 
 
 def bench_runs(root: Path) -> Iterator[Figure]:
@@ -343,6 +414,7 @@ def serve_race(root: Path) -> Iterator[Figure]:
 SOURCES = (
     exactness_cost,
     engine_vs_generate,
+    llamacpp_runs,
     bench_runs,
     throughput_runs,
     spec_bench_runs,
@@ -364,6 +436,7 @@ __all__ = [
     "cpu_class",
     "engine_vs_generate",
     "exactness_cost",
+    "llamacpp_runs",
     "serve_race",
     "spec_bench_runs",
     "throughput_runs",
