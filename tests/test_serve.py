@@ -379,6 +379,8 @@ def test_serve_refuses_a_missing_model_or_extra(
     from knapspec.cli import main
 
     assert main(["serve", "--model", str(tmp_path / "nowhere")]) == 2
+    assert "no such directory; give a known model" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tmp_path)]) == 2  # a directory without config.json
     assert "not a transformers model directory" in capsys.readouterr().err
     real_find_spec = importlib.util.find_spec
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 from collections.abc import Sequence
-from pathlib import Path
 
 from knapspec.commandline import RunError, UsageError, load_decoder_config
 
@@ -60,14 +59,14 @@ def run_serve(args: argparse.Namespace, extra: Sequence[str]) -> int:
 
 
 def _check_model_path(model: str) -> None:
-    """``--model`` names the default model or a directory with a ``config.json``."""
-    if model.strip().lower() in ("default", "smollm2", "smollm2-135m-instruct"):
-        return
-    if not (Path(model) / "config.json").is_file():
-        raise UsageError(
-            f"--model {model!r}: not a transformers model directory (no config.json there); "
-            "give 'default' or a directory written by save_pretrained"
-        )
+    """``--model`` names a known model (provisioned on first use) or a directory with a
+    ``config.json`` (:func:`knapspec.model.loading.by_name.check_model_path`)."""
+    from knapspec.model.loading.by_name import ModelPathError, check_model_path
+
+    try:
+        check_model_path(model)
+    except ModelPathError as error:
+        raise UsageError(f"--model {error}") from None
 
 
 __all__ = ["run_serve"]
