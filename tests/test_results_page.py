@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from knapspec.bench.results_page import BEGIN, END, ROOT, headline, main, page, with_headline
-from knapspec.bench.results_sources import Figure, all_figures, cpu_class, exactness_cost
+from knapspec.bench.results_sources import (
+    Figure,
+    all_figures,
+    cpu_class,
+    engine_vs_generate,
+    exactness_cost,
+    llamacpp_runs,
+)
 
 XEON = {"host_cpu": "Intel(R) Xeon(R) Processor", "cpu_flags": ["avx512f", "amx_bf16"]}
 ZEN4 = {"host_cpu": "AMD EPYC", "cpu_flags": ["avx2", "avx512f", "avx512_bf16"]}
@@ -135,3 +142,69 @@ def test_the_serve_race_gives_rates_latency_and_paired_ratios(tmp_path: Path) ->
     assert figures["greedy, 16 client(s): knapspec, chunk gap p95"].unit == "s"
     assert ratio.command.endswith("--repeats 2")
     assert "knapspec / vllm (per repeat) | **1.50x**" in headline(list(figures.values()))
+
+
+def _engine_line(pair: int, generate_dtype: str, generate_s: float, tokens: int = 128) -> dict:
+    return {
+        **XEON,
+        "model": "gemma-3-270m",
+        "dtype": "bfloat16",
+        "commit": "c1",
+        "context": 512,
+        "pair": pair,
+        "generate_dtype": generate_dtype,
+        "generate_s": generate_s,
+        "engine_s": 8.0 + pair,
+        "default_s": 4.0,
+        "speedup": generate_s / (8.0 + pair),
+        "default_speedup": generate_s / 4.0,
+        "new_tokens": tokens,
+        "generate_new_tokens": 128,
+    }
+
+
+def test_engine_rates_count_each_pairs_engine_calls_once(tmp_path: Path) -> None:
+    # Two generate dtypes per pair: the pair's engine calls sit on both of its lines.
+    lines = [
+        _engine_line(0, "float32", 16.0),
+        _engine_line(0, "bfloat16", 12.8),
+        _engine_line(1, "float32", 16.0),
+        _engine_line(1, "bfloat16", 12.8),
+        _engine_line(2, "float32", 16.0, tokens=40),  # stopped early: unlike, left out
+    ]
+    (tmp_path / "engine").mkdir()
+    path = tmp_path / "engine" / "engine_vs_generate-gemma-3-270m.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    rates = {
+        f.setting.split(": ", 1)[1]: f for f in engine_vs_generate(tmp_path) if f.unit == "tok/s"
+    }
+    plain = rates["plain engine, 128 new tokens"]
+    assert plain.values == (128 / 8.0, 128 / 9.0) and plain.dropped == 1
+    assert rates["default decoder, 128 new tokens"].values == (32.0, 32.0)
+    assert rates["model.generate bfloat16, 128 new tokens"].values == (10.0, 10.0)
+
+
+def test_llamacpp_lines_give_rates_per_context_at_the_latest_commit(tmp_path: Path) -> None:
+    def line(commit: str, context: int, seconds: float, tokens: int = 128) -> dict:
+        return {
+            **XEON,
+            "system": "llama.cpp",
+            "model": "gemma-3-270m",
+            "gguf": "gemma-3-270m-q4_k_m.gguf",
+            "llama_cpp_python": "0.3.36",
+            "extra_buffer_types": False,
+            "commit": commit,
+            "context": context,
+            "seconds": seconds,
+            "new_tokens": tokens,
+        }
+
+    lines = [line("old", 512, 1.0), line("new", 512, 4.0), line("new", 512, 8.0)]
+    lines += [line("new", 2048, 2.0, tokens=7)]  # ended at once: unlike, counted
+    (tmp_path / "engine").mkdir()
+    path = tmp_path / "engine" / "llamacpp-gemma-3-270m-q4_k_m.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    short, long = llamacpp_runs(tmp_path)
+    assert (short.commit, short.dtype, short.unit) == ("new", "GGUF Q4_K_M", "tok/s")
+    assert short.values == (32.0, 16.0) and "extra buffers off" in short.setting
+    assert long.values == (3.5,) and long.dropped == 0

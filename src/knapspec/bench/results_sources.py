@@ -201,13 +201,16 @@ def _engine_rates(
         full = max(int(r["new_tokens"]) for r in rows)
         systems: dict[str, list[float]] = {}
         dropped = 0
+        engine_pairs: set[Any] = set()  # a pair's engine calls are on each of its lines
         for r in rows:
             if int(r["new_tokens"]) != full or int(r.get("generate_new_tokens", full)) != full:
                 dropped += 1
                 continue
-            systems.setdefault("plain engine", []).append(full / r["engine_s"])
-            if "default_s" in r:
-                systems.setdefault("default decoder", []).append(full / r["default_s"])
+            if r["pair"] not in engine_pairs:
+                engine_pairs.add(r["pair"])
+                systems.setdefault("plain engine", []).append(full / r["engine_s"])
+                if "default_s" in r:
+                    systems.setdefault("default decoder", []).append(full / r["default_s"])
             generate = f"model.generate {r.get('generate_dtype', dtype)}"
             systems.setdefault(generate, []).append(full / r["generate_s"])
         for system, values in systems.items():
