@@ -226,3 +226,56 @@ def test_a_request_with_nothing_to_copy_gets_gamma_zero(served: dict[str, Any]) 
     assert records, "the proposer wrote no trace: was it loaded?"
     # Every call gave γ = 0 to a row without a proposal.
     assert all(r["gamma"] == 0 for rec in records for r in rec["rows"] if not r["proposed"])
+
+
+@pytest.mark.slow
+def test_the_proposer_drafts_for_gemma_3_and_keeps_vllms_answers(
+    tmp_path: Path,
+) -> None:
+    """``vllm serve`` on the real Gemma 3 270M (sliding-window layers, a base model: plain
+    completions): the knapspec proposer drafts, vLLM accepts some drafts, and the greedy
+    answers equal vLLM's without speculation (differences allowed only on near-ties, as
+    above)."""
+    from knapspec.model.loading.provision import known_model_path
+
+    gemma = str(known_model_path("gemma-3-270m", progress=False))
+    passage = (
+        Path(__file__).resolve().parents[1] / "src/knapspec/data/pride_and_prejudice_chapter3.txt"
+    ).read_text(encoding="utf-8")[:1500]
+    prompts = [
+        f"{passage}\n\nThe passage above, repeated word for word:\n\n{passage[:300]}",
+        "Once upon a time, in a small village by the sea,",
+        "def fibonacci(n):\n    ",
+    ]
+    answers: dict[str, list[Any]] = {}
+    specs = {
+        "plain": ServerSpec(gemma, dtype=DTYPE, max_model_len=2048),
+        "knapspec": ServerSpec(
+            gemma, speculative=knapspec_speculative(16), dtype=DTYPE, max_model_len=2048
+        ),
+    }
+    metrics: dict[str, float] = {}
+    for name, spec in specs.items():
+        with VllmServer(spec, python=sys.executable, log=tmp_path / f"{name}.log") as server:
+            client = openai.OpenAI(base_url=server.base_url, api_key="unused")
+            answers[name] = [
+                client.completions.create(
+                    model="model",
+                    prompt=prompt,
+                    max_tokens=MAX_TOKENS,
+                    temperature=0.0,
+                    logprobs=2 if name == "plain" else None,
+                ).choices[0]
+                for prompt in prompts
+            ]
+            metrics = server.metrics()
+    assert metrics["spec_decode_num_draft_tokens_total"] > 0
+    assert metrics["spec_decode_num_accepted_tokens_total"] > 0
+    for plain, ours in zip(answers["plain"], answers["knapspec"], strict=True):
+        if ours.text == plain.text:
+            continue
+        at = _first_difference(plain.text, ours.text) or 0
+        offsets = plain.logprobs.text_offset
+        position = max(i for i, offset in enumerate(offsets) if offset - offsets[0] <= at)
+        top = sorted(plain.logprobs.top_logprobs[position].values(), reverse=True)
+        assert top[0] - top[1] <= NEAR_TIE, f"differs at token {position}: not a near-tie"
