@@ -243,6 +243,45 @@ def test_bad_requests_get_a_400_naming_the_field(
 
 
 @pytest.mark.parametrize(
+    ("limits", "param"),
+    [
+        ({"max_completion_tokens": 5000}, "max_completion_tokens"),
+        ({"max_tokens": 5000}, "max_tokens"),
+        ({"max_completion_tokens": 5000, "max_tokens": 3}, "max_completion_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ],
+)
+def test_a_chat_limit_that_does_not_fit_is_refused_by_its_name(
+    client: openai.OpenAI, limits: dict[str, int], param: str
+) -> None:
+    """Either of OpenAI's two names of the limit, too large or malformed, gets a 400 naming
+    the one the server read (the newer max_completion_tokens when given)."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            **limits,  # type: ignore[arg-type]
+        )
+    error = _error(caught.value)
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    if limits[param] > 1:
+        assert error["code"] == "context_length_exceeded", error
+
+
+def test_max_completion_tokens_wins_over_max_tokens(client: openai.OpenAI) -> None:
+    """max_tokens = 5000 does not fit a row (a 400 if it were read); the newer name is the
+    limit."""
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPTS[0]}],
+        max_completion_tokens=3,
+        max_tokens=5000,
+        temperature=0,
+    )
+    assert chat.usage is not None and chat.usage.completion_tokens <= 3
+
+
+@pytest.mark.parametrize(
     ("extra", "param"),
     [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),

@@ -19,12 +19,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 
 from knapspec.integrations.vllm import KnapspecProposer
 from knapspec.integrations.vllm_config import VllmProposerConfig, VllmProposerError
 from knapspec.integrations.vllm_pricing import StepCostCurve, price_batch
+from knapspec.request import Request
 
 MAX_LEN = 600
 
@@ -243,6 +245,32 @@ def test_drafts_respect_the_cap_and_the_model_length() -> None:
         assert len(runner.drafts[0]) <= max(0, 124 - n - 1)  # room for the bonus token
         lengths.append(len(runner.drafts[0]))
     assert max(lengths) == 3
+
+
+def test_each_row_holds_its_request_and_drafts_within_its_limit() -> None:
+    """A row's record is knapspec's Request (the prompt the proposer first saw, the limit
+    the model's length sets), and its drafts are cut by that record's limit: a request
+    given a smaller limit gets fewer drafts, which a cap computed from the model length
+    beside the record would not give."""
+    proposer, _ = make(k=8, pricing="fixed")  # fixed: γ is the whole proposal, up to the room
+    sequence = [5, 6, 7, 8] * 40
+    tokens = np.zeros((1, MAX_LEN), np.int32)
+    tokens[0, :120] = sequence[:120]
+    lengths = np.array([120], np.int32)
+    drafts = proposer.propose([[sequence[119]]], lengths, tokens)
+    row = proposer.rows[0]
+    assert row is not None and isinstance(row.request, Request)
+    assert row.request.prompt.tolist() == sequence[:120]
+    assert row.request.max_new_tokens == MAX_LEN - 120 == row.remaining
+    assert len(drafts[0]) == 8  # the model's length leaves room for every draft
+    limited = attrs.evolve(row.request, max_new_tokens=4)
+    row.request = limited
+    tokens[0, 120] = sequence[120]
+    lengths[0] = 121
+    drafts = proposer.propose([[sequence[120]]], lengths, tokens)
+    assert proposer.rows[0] is row and row.request is limited  # the row went on
+    assert row.remaining == 3
+    assert drafts[0] == sequence[121:123]  # 3 tokens left: 2 drafts and the step's own
 
 
 def test_a_swapped_in_request_is_indexed_afresh() -> None:

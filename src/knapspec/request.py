@@ -3,10 +3,11 @@
 A :class:`Request` is what ``generate``, a batch row, a conversation turn and a server's
 request all hand to the decoding loop: the prompt's token ids, the token limit
 (``max_new_tokens``, its one name from the public call to the round), the sampling
-settings, the stop ids, the seed and the stream sink. It is the shape of vLLM's
-``Request`` with its ``SamplingParams``: the decoder's parts (engine, caches, planner,
-drafters) are never in it, so one decoder plays many requests and a scheduler holds many
-at once.
+settings, the stop ids, the seed and the stream sink. The vLLM proposer holds one per batch
+row too, with what vLLM shows it (the prompt and the model length's limit). It is the shape
+of vLLM's ``Request`` with its ``SamplingParams``: the decoder's parts (engine, caches,
+planner, drafters) are never in it, so one decoder plays many requests and a scheduler
+holds many at once.
 
 The two rooms a row's decoding needs are computed here, once: how many new tokens fit a
 row of a given size (:func:`completion_room`, what a server admits) and how many tokens a

@@ -14,7 +14,10 @@ token_ids_cpu, slot_mappings=...)``: row ``i`` of the input batch committed the 
 row, of any length up to ``num_speculative_tokens`` (empty: no draft). vLLM verifies the
 drafts with its rejection sampler, so the output is vLLM's own whatever is drafted.
 
-What this proposer does on each call:
+The proposer keeps one :class:`~knapspec.integrations.vllm_row.ProposerRow` per row: the
+row's request as knapspec's :class:`~knapspec.request.Request` (the prompt it first saw, the
+limit the model's length sets), its lookup index and its last proposal. What it does on
+each call:
 
 1. **Drafts** each row with knapspec's lookup index (:class:`~knapspec.drafters.lookup.
    LookupIndex`: the longest earlier-seen suffix of the prompt and the row's own output,
@@ -48,8 +51,8 @@ runner's attention metadata and KV cache); token trees need a tree verifier vLLM
 runner does not have. docs/serving.md ("Moving to vLLM") has the details,
 results/serve/HISTORY.md the runs.
 
-This module imports neither vLLM nor torch: the class only reads attributes of the config
-it is given, so it is tested without vLLM installed.
+This module never imports vLLM: the class only reads attributes of the config it is given,
+so it is tested without vLLM installed.
 """
 
 from __future__ import annotations
@@ -66,7 +69,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
-import numpy as np
 
 from knapspec.drafters.acceptance import LookupAcceptance, LookupAcceptanceConfig
 from knapspec.drafters.lookup import LookupIndex
@@ -77,24 +79,11 @@ from knapspec.integrations.vllm_config import (
     VllmProposerError,
 )
 from knapspec.integrations.vllm_pricing import curve_key, load_curve, price_batch
+from knapspec.integrations.vllm_row import ProposerRow
 from knapspec.model import cachefiles
 from knapspec.planners.objective import FloatArray
 
 _LOG = logging.getLogger("knapspec.vllm")
-
-
-@attrs.define
-class _Row:
-    """One batch row's request as the proposer knows it."""
-
-    index: LookupIndex
-    #: The proposal made at the last call (full length, before the cut) and its match.
-    proposal: list[int] = attrs.field(factory=list)
-    match_length: int = 0
-    bucket: int = 0
-    drafted: int = 0
-    #: Whether the last proposal matched everything committed (a copy streak).
-    streak: bool = False
 
 
 @attrs.define
@@ -160,7 +149,7 @@ class KnapspecProposer:
         model_config = getattr(vllm_config, "model_config", None)
         self.max_model_len = int(getattr(model_config, "max_model_len", 1 << 30) or (1 << 30))
         self.acceptance = LookupAcceptance(LookupAcceptanceConfig())
-        self.rows: list[_Row | None] = []
+        self.rows: list[ProposerRow | None] = []
         self.history: deque[LookupIndex] = deque()
         self.stats = ProposerStats()
         self._clock = clock
@@ -233,11 +222,10 @@ class KnapspecProposer:
         for i in decoding:
             row = self.rows[i]
             assert row is not None
-            cap = min(self.k, self.max_model_len - len(row.index) - 1)
-            self._make_proposal(row, cap)
+            self._make_proposal(row, row.draft_room(self.k, self.max_model_len))
             if row.proposal:
                 self.stats.proposed_rows += 1
-            reaches.append(self._reach(row))
+            reaches.append(row.reach(self.acceptance))
         if self.config.pricing != "tpt":  # the ablations: the whole proposal, or nothing
             whole = self.config.pricing == "fixed"
             gammas = [len(r) if whole else 0 for r in reaches]
@@ -288,29 +276,17 @@ class KnapspecProposer:
                 continue
             length = int(num_tokens_no_spec[i])
             row = self.rows[i]
-            if row is not None and self._extends(row, committed, token_ids_cpu[i], length):
+            if row is not None and row.extends(committed, token_ids_cpu[i], length):
                 self._learn(row, committed)
                 row.index.extend(committed)
                 continue
             continued = False
             self._retire(i)
-            index = LookupIndex(self.config.max_ngram)
-            index.extend([int(t) for t in token_ids_cpu[i, :length]])
-            self.rows[i] = _Row(index)
+            sequence = [int(t) for t in token_ids_cpu[i, :length]]
+            self.rows[i] = ProposerRow.admit(sequence, self.config.max_ngram, self.max_model_len)
         return continued
 
-    @staticmethod
-    def _extends(row: _Row, committed: list[int], tokens: Any, length: int) -> bool:
-        """Whether row ``tokens[:length]`` is the row's known sequence plus ``committed``
-        (a full comparison: a swapped-in request may share a long prefix)."""
-        known = len(row.index)
-        if known + len(committed) != length:
-            return False
-        head = tokens[:known]
-        tail = tokens[known:length]
-        return bool([int(t) for t in tail] == committed and np.array_equal(head, row.index.tokens))
-
-    def _learn(self, row: _Row, committed: list[int]) -> None:
+    def _learn(self, row: ProposerRow, committed: list[int]) -> None:
         """Hindsight: how much of the last proposal the committed tokens confirm."""
         proposal = row.proposal
         matched = 0
@@ -323,7 +299,7 @@ class KnapspecProposer:
         self.stats.accepted_tokens += min(matched, row.drafted)
         row.streak = bool(proposal) and not rejected
 
-    def _make_proposal(self, row: _Row, cap: int) -> None:
+    def _make_proposal(self, row: ProposerRow, cap: int) -> None:
         config = self.config
         row.proposal, row.match_length = [], 0
         if cap < 1:
@@ -342,13 +318,6 @@ class KnapspecProposer:
         )
         row.proposal, row.match_length = tokens, match
         row.bucket = self.acceptance.bucket(match, row.streak)
-
-    def _reach(self, row: _Row) -> FloatArray:
-        if not row.proposal:
-            return np.zeros(0)
-        rates = self.acceptance.conditional(row.bucket, len(row.proposal))
-        reach: FloatArray = np.cumprod(rates, dtype=np.float64)
-        return reach
 
     def _retire(self, i: int) -> None:
         """Row ``i``'s request left: keep its sequence in the history (if on)."""

@@ -129,7 +129,7 @@ def create_app(scheduler: Scheduler, metrics: ServerMetrics, *, api_key: str | N
             bad = [t for t in ids if not 0 <= t < served.decoder.engine.vocab_size]
             if bad:
                 raise APIError(400, f"token ids out of the vocabulary: {bad[:5]}", param="prompt")
-        job = _job(served, body, ids, "prompt", body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        job = _job(served, body, ids, "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             return _stream(scheduler, job, _completion_chunks(rid, served, body.include_usage))
@@ -158,7 +158,7 @@ def create_app(scheduler: Scheduler, metrics: ServerMetrics, *, api_key: str | N
             raise APIError(
                 400, f"the chat template refused the messages: {error}", param="messages"
             ) from error
-        job = _job(served, body, ids, "messages", body.token_limit, None)
+        job = _job(served, body, ids, "messages", None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             return _stream(scheduler, job, _chat_chunks(rid, served, body.include_usage))
@@ -203,18 +203,20 @@ def _job(
     body: CompletionRequest | ChatCompletionRequest,
     ids: list[int],
     prompt_field: str,
-    max_new_tokens: int | None,
     default_max_tokens: int | None,
 ) -> _Job:
-    """Check the prompt's size against a row, resolve the limit and the sampling."""
+    """Check the prompt's size against a row, resolve the limit and the sampling.
+
+    The limit goes from the body straight into the request's ``max_new_tokens``: chat's
+    ``max_completion_tokens`` (OpenAI's newer name) when given, else ``max_tokens``, else
+    ``default_max_tokens`` (None: all the room a row has).
+    """
     if not ids:
         raise APIError(400, f"the {prompt_field} is empty", param=prompt_field)
+    field, max_new_tokens = "max_tokens", body.max_tokens
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens:
+        field, max_new_tokens = "max_completion_tokens", body.max_completion_tokens
     room = completion_room(served.max_model_len, len(ids), served.decoder.max_draft_length)
-    limit_name = (
-        "max_completion_tokens"
-        if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens
-        else "max_tokens"
-    )
     if room < 1:
         raise APIError(
             400,
@@ -227,9 +229,9 @@ def _job(
     if max_new_tokens is not None and max_new_tokens > room:
         raise APIError(
             400,
-            f"{limit_name} = {max_new_tokens} does not fit: the prompt has {len(ids)} tokens, so "
+            f"{field} = {max_new_tokens} does not fit: the prompt has {len(ids)} tokens, so "
             f"at most {room} more fit a row of {served.max_model_len} tokens (--max-model-len)",
-            param=limit_name,
+            param=field,
             code="context_length_exceeded",
         )
     if max_new_tokens is None:
@@ -251,7 +253,9 @@ def _job(
     def sink(event: Event) -> None:  # on the scheduler thread: hand over, never block
         loop.call_soon_threadsafe(events.put_nowait, event)
 
-    request = DecodingRequest(ids, max_new_tokens, sampling, served.stop_ids)
+    request = DecodingRequest(
+        ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=served.stop_ids
+    )
     return _Job(GenerationRequest(request, body.stop_strings, sink), events)
 
 

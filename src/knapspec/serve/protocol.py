@@ -180,11 +180,6 @@ class ChatCompletionRequest(_Request):
             raise UnsupportedFieldError("store", "store: true is not supported")
         return self
 
-    @property
-    def token_limit(self) -> int | None:
-        """``max_completion_tokens`` (the newer name), else ``max_tokens``."""
-        return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
-
 
 # ---------------------------------------------------------------------------- responses
 class Usage(BaseModel):
