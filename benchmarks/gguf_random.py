@@ -111,7 +111,9 @@ def _vocabulary(writer: gguf.GGUFWriter, vocab: int) -> None:
     kinds += [gguf.TokenType.NORMAL] * normal
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
-    writer.add_token_scores([0.0] * byte_count + [0.0] * 3 + [-float(i) for i in range(normal)])
+    writer.add_token_scores(
+        [0.0] * (len(specials) + byte_count) + [-float(i) for i in range(normal)]
+    )
     writer.add_token_types([int(k) for k in kinds])
     writer.add_unk_token_id(0)
     writer.add_bos_token_id(1)
@@ -188,8 +190,9 @@ def write_random_ggufs(
 ) -> dict[str, dict[str, Any]]:
     """Write ``<stem>-<quant>.gguf`` per format in one pass over the random weights.
 
-    Returns per format: ``path``, ``tensor_bytes`` (the tensor data: what one decode step
-    streams, the embedding's single row aside) and ``parameters``.
+    Returns per format: ``path``, ``tensor_bytes`` (all tensor data, counted as
+    ``benchmarks/scale.py`` counts weight bytes: an untied embedding, of which a step reads
+    one row, included) and ``parameters``.
     """
     directory.mkdir(parents=True, exist_ok=True)
     stem = f"random-{spec.name.rsplit('/', 1)[-1]}-L{layers}-V{vocab}-s{seed}"

@@ -1,4 +1,5 @@
-"""``benchmarks/scale_gguf.py`` and its writer ``benchmarks/gguf_random.py`` at a tiny shape.
+"""``benchmarks/scale_gguf.py``, its writer ``benchmarks/gguf_random.py`` at a tiny shape, and
+the table ``benchmarks/scale_table.py`` makes of both benchmarks' lines.
 
 The files must round-trip through gguf-py's reader (llama.cpp's names, shapes and types;
 the float16 data the random model's numbers, query and key rows of the ``llama`` family
@@ -31,6 +32,7 @@ from benchmarks.gguf_random import (
     write_random_ggufs,
 )
 from benchmarks.scale_gguf import MIN_CORRELATION, build_parser, write
+from benchmarks.scale_table import markdown, table_rows
 
 import knapspec.testing.shapes as shapes_module
 from knapspec.testing.shapes import SHAPES, ModelShape, parameter_shapes, random_parameters
@@ -106,6 +108,7 @@ def test_llama3_scaling_becomes_frequency_divisors() -> None:
     spec = SHAPES["Llama-3.2-1B"]
     factors = rope_factors(spec)
     assert factors is not None and factors.shape == (spec.head_dim // 2,)
+    assert spec.rope_scaling is not None
     assert factors[0] == pytest.approx(1.0)  # the fastest frequencies are not scaled
     assert factors[-1] == pytest.approx(spec.rope_scaling["factor"])  # the slowest fully
     assert np.all(np.diff(factors) >= -1e-5 * factors[1:])  # and those between, smoothly
@@ -251,3 +254,39 @@ def test_llama_cpp_follows_transformers(family: str, tmp_path: Path) -> None:
     assert not mutant["Q8_0"]["check_passed"]
     error = mutant["F16"]["logits_rel_rms_error"]
     assert error > 10 * checks["F16"]["logits_rel_rms_error"]
+
+
+def test_the_table_puts_each_system_beside_its_own_floor() -> None:
+    base = {"shape": "Qwen/Qwen3-0.6B", "layers": 28, "parameters": 1000}
+    knapspec = {**base, "dtype": "float32", "weight_bytes": 4000, "floor_ms": 50.0}
+    scale_lines = [
+        {**knapspec, "kind": "steps", "step_ms": {"1": 100.0, "4": 150.0}},
+        {**knapspec, "kind": "steps", "step_ms": {"1": 80.0, "4": 150.0}},
+        {
+            **knapspec,
+            "kind": "generate",
+            "seconds": {"plain": 8.0, "generate": 16.0},
+            "new_tokens": {"plain": 64, "generate": 64},
+        },
+        {**knapspec, "kind": "steps", "step_ms": {"1": 1.0}, "quick": True, "layers": 2},
+    ]
+    q4 = {**base, "quant": "Q4_0", "bytes_per_weight": 0.5625, "floor_ms": 7.0}
+    llama_lines = [
+        {**q4, "kind": "check"},
+        {**q4, "kind": "steps", "step_ms": {"1": 21.0}},
+        {**q4, "kind": "generate", "tokens_per_second": 30.0},
+        {**q4, "kind": "generate", "tokens_per_second": 40.0},
+    ]
+    rows = table_rows(scale_lines, llama_lines)
+    assert [(r["system"], r["format"]) for r in rows] == [
+        ("knapspec plain", "float32"),
+        ("llama.cpp", "Q4_0"),
+        ("transformers generate", "float32"),
+    ]
+    knapspec_row, llama_row, hf_row = rows
+    assert knapspec_row["step_ms"] == 90.0 and knapspec_row["step_over_floor"] == 1.8
+    assert knapspec_row["bytes_per_weight"] == 4.0 and knapspec_row["tokens_per_second"] == 8.0
+    assert llama_row["step_over_floor"] == 3.0 and llama_row["tokens_per_second"] == 35.0
+    assert hf_row["tokens_per_second"] == 4.0
+    table = markdown(rows)
+    assert "| Qwen3-0.6B | 28 | llama.cpp | Q4_0 | 0.56 | 7.0 | 21.0 | 3.00 | 35.0 |" in table
