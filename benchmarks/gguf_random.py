@@ -163,6 +163,26 @@ def encode(array: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
+@torch.no_grad()
+def round_like_file(
+    model: torch.nn.Module, spec: ModelShape, quant: str, *, layers: int, vocab: int, seed: int
+) -> None:
+    """Set ``model``'s matrices (a :func:`~knapspec.testing.shapes.random_model` of ``spec``
+    with ``seed``) to what the ``quant`` file stores, read back (norm weights stay one):
+    transformers on these weights is what llama.cpp should compute from the file, up to
+    its own arithmetic. Row chunks bound the temporaries (an 8B embedding)."""
+    qtype = QUANTS[quant]
+    for name, tensor in random_parameters(spec, layers=layers, vocab=vocab, seed=seed):
+        if tensor.dim() != 2:
+            continue
+        target = model.get_parameter(name)
+        step = max(1, _CHUNK_ELEMENTS // tensor.shape[1])
+        for i in range(0, tensor.shape[0], step):
+            stored = encode(tensor[i : i + step].numpy(), qtype)
+            values = gguf.quants.dequantize(stored, qtype).reshape(-1, tensor.shape[1])
+            target[i : i + step].copy_(torch.from_numpy(values))
+
+
 def _tensors(
     spec: ModelShape, layers: int, vocab: int, seed: int
 ) -> Iterator[tuple[str, np.ndarray]]:
@@ -192,7 +212,8 @@ def write_random_ggufs(
 
     Returns per format: ``path``, ``tensor_bytes`` (all tensor data, counted as
     ``benchmarks/scale.py`` counts weight bytes: an untied embedding, of which a step reads
-    one row, included) and ``parameters``.
+    one row, included), ``step_bytes`` (without an untied embedding: what a one-row step
+    streams) and ``parameters``.
     """
     directory.mkdir(parents=True, exist_ok=True)
     stem = f"random-{spec.name.rsplit('/', 1)[-1]}-L{layers}-V{vocab}-s{seed}"
@@ -207,11 +228,13 @@ def write_random_ggufs(
         path = directory / f"{stem}-{quant}.gguf"
         writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[_ARCH[spec.family]])
         _metadata(writer, spec, layers, vocab, quant)
-        total = 0
+        total = unread = 0
         for name, tensor_shape in shapes:
             qtype = _stored_type(tensor_shape, quant)
             nbytes = _nbytes(tensor_shape, qtype)
             total += nbytes
+            if name == "token_embd.weight" and not spec.tied_embeddings:
+                unread = nbytes  # a step gathers one row of it
             dtype = np.float16 if qtype == gguf.GGMLQuantizationType.F16 else np.float32
             raw = (
                 None
@@ -223,7 +246,12 @@ def write_random_ggufs(
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         writers[quant] = writer
-        out[quant] = {"path": str(path), "tensor_bytes": total, "parameters": parameters}
+        out[quant] = {
+            "path": str(path),
+            "tensor_bytes": total,
+            "step_bytes": total - unread,
+            "parameters": parameters,
+        }
     for name, array in _tensors(spec, layers, vocab, seed):
         for quant, writer in writers.items():
             assert next(iter(writer.tensors[0])) == name  # the data in the info's order
@@ -239,5 +267,6 @@ __all__ = [
     "gguf_name",
     "interleave_rotary_halves",
     "rope_factors",
+    "round_like_file",
     "write_random_ggufs",
 ]

@@ -1,5 +1,6 @@
-"""``benchmarks/scale_gguf.py``, its writer ``benchmarks/gguf_random.py`` at a tiny shape, and
-the table ``benchmarks/scale_table.py`` makes of both benchmarks' lines.
+"""``benchmarks/scale_gguf.py`` (step 1 in ``scale_gguf_write.py``) and its writer
+``benchmarks/gguf_random.py`` at a tiny shape, and the table ``benchmarks/scale_table.py``
+makes of both benchmarks' lines.
 
 The files must round-trip through gguf-py's reader (llama.cpp's names, shapes and types;
 the float16 data the random model's numbers, query and key rows of the ``llama`` family
@@ -29,13 +30,21 @@ from benchmarks.gguf_random import (
     gguf_name,
     interleave_rotary_halves,
     rope_factors,
+    round_like_file,
     write_random_ggufs,
 )
-from benchmarks.scale_gguf import MIN_CORRELATION, build_parser, write
+from benchmarks.scale_gguf import MIN_CORRELATION, build_parser
+from benchmarks.scale_gguf_write import write
 from benchmarks.scale_table import markdown, table_rows
 
 import knapspec.testing.shapes as shapes_module
-from knapspec.testing.shapes import SHAPES, ModelShape, parameter_shapes, random_parameters
+from knapspec.testing.shapes import (
+    SHAPES,
+    ModelShape,
+    parameter_shapes,
+    random_model,
+    random_parameters,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Each family's layout at widths a test runs in seconds; head_dim 32 with 4 heads makes
@@ -119,9 +128,10 @@ def _field(reader: gguf.GGUFReader, key: str) -> Any:
     return reader.fields[key].contents()
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("family", list(TINY))
-def test_the_files_round_trip(family: str, tmp_path: Path) -> None:
-    spec = TINY[family]
+def test_the_files_round_trip(family: str, tied: bool, tmp_path: Path) -> None:
+    spec = attrs.evolve(TINY[family], tied_embeddings=tied)
     files = write_random_ggufs(spec, tmp_path, layers=2, vocab=spec.vocab, seed=5)
     source = {gguf_name(n): t.numpy() for n, t in random_parameters(spec, vocab=spec.vocab, seed=5)}
     for heads, kind in ((spec.heads, "attn_q"), (spec.kv_heads, "attn_k")):
@@ -131,7 +141,12 @@ def test_the_files_round_trip(family: str, tmp_path: Path) -> None:
                 source[key] = interleave_rotary_halves(torch.from_numpy(source[key]), heads).numpy()
     expected = set(source) | ({"rope_freqs.weight"} if family == "llama" else set())
     assert len(source) == len(parameter_shapes(spec, vocab=spec.vocab))
+    assert ("output.weight" in source) is not tied  # a tied head is the embedding
     for quant, entry in files.items():
+        # The reference model of the check: transformers' layout, the file's values.
+        rounded = random_model(spec, vocab=spec.vocab, seed=5)
+        round_like_file(rounded, spec, quant, layers=2, vocab=spec.vocab, seed=5)
+        stored = {gguf_name(n): p.detach() for n, p in rounded.named_parameters() if p.dim() == 2}
         reader = gguf.GGUFReader(entry["path"])
         assert _field(reader, "general.architecture") == family
         assert _field(reader, f"{family}.block_count") == 2
@@ -141,6 +156,8 @@ def test_the_files_round_trip(family: str, tmp_path: Path) -> None:
         tensors = {t.name: t for t in reader.tensors}
         assert set(tensors) == expected
         assert sum(t.n_bytes for t in tensors.values()) == entry["tensor_bytes"]
+        unread = 0 if tied else int(tensors["token_embd.weight"].n_bytes)
+        assert entry["step_bytes"] == entry["tensor_bytes"] - unread
         for name, array in source.items():
             tensor = tensors[name]
             assert tuple(int(n) for n in tensor.shape) == tuple(reversed(array.shape)), name
@@ -158,6 +175,11 @@ def test_the_files_round_trip(family: str, tmp_path: Path) -> None:
                 error = np.abs(values - array).reshape(-1, 32)
                 assert np.all(error <= blocks / levels * 1.01 + 1e-6), name
                 assert error.max() > 0, name
+            heads = {"attn_q": spec.heads, "attn_k": spec.kv_heads}.get(name.split(".")[-2])
+            reference = stored[name]
+            if family == "llama" and heads is not None:
+                reference = interleave_rotary_halves(reference, heads)
+            assert np.array_equal(values, reference.numpy()), name
 
 
 def _llamacpp_python() -> str | None:
