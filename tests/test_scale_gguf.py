@@ -175,10 +175,10 @@ def test_the_files_round_trip(family: str, tied: bool, tmp_path: Path) -> None:
                 error = np.abs(values - array).reshape(-1, 32)
                 assert np.all(error <= blocks / levels * 1.01 + 1e-6), name
                 assert error.max() > 0, name
-            heads = {"attn_q": spec.heads, "attn_k": spec.kv_heads}.get(name.split(".")[-2])
+            rotary = {"attn_q": spec.heads, "attn_k": spec.kv_heads}.get(name.split(".")[-2])
             reference = stored[name]
-            if family == "llama" and heads is not None:
-                reference = interleave_rotary_halves(reference, heads)
+            if family == "llama" and rotary is not None:
+                reference = interleave_rotary_halves(reference, rotary)
             assert np.array_equal(values, reference.numpy()), name
 
 
