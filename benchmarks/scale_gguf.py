@@ -174,7 +174,7 @@ def steps(llm: Any, manifest: dict[str, Any], args: argparse.Namespace) -> dict[
     llm.eval(prompt)
     n = len(prompt)
     step = {}
-    for k in args.widths:
+    for k in sorted(set(args.widths) | {1}):  # v(k) is over the one-row step
         rows = prompt[:k]
         _decode(llm, rows, n, all_logits=True)  # warm-up
         samples = []
@@ -312,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--sizes", nargs="+", required=True)
     w.add_argument("--layers", type=int, default=None, help="depth (default: published)")
     w.add_argument("--vocab", type=int, default=None, help="vocabulary (default: published)")
-    w.add_argument("--quants", nargs="+", default=["F16", "Q8_0", "Q4_0"])
+    formats = ["F16", "Q8_0", "Q4_0"]
+    w.add_argument("--quants", nargs="+", default=formats, choices=formats)
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--prompt-tokens", type=int, default=256)
     w.add_argument("--new-tokens", type=int, default=64)
@@ -324,7 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--output-dir", type=Path, required=True)
     t = sub.add_parser("time", help="check and time the files (llama-cpp-python's environment)")
     t.add_argument("--manifest", type=Path, required=True)
-    t.add_argument("--quants", nargs="+", default=None, help="default: every file written")
+    t.add_argument(
+        "--quants", nargs="+", default=None, choices=formats, help="default: every file written"
+    )
     t.add_argument("--threads", type=int, default=2)
     t.add_argument("--widths", type=int, nargs="+", default=[1, 4, 16])
     t.add_argument("--repeats", type=int, default=20)
