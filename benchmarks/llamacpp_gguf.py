@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 
-def _cpu() -> dict[str, Any]:
+def cpu_record() -> dict[str, Any]:
     """The CPU's name and its vector flags (what a llama.cpp build can use here)."""
     name, flags = platform.processor(), []
     try:
@@ -54,7 +54,7 @@ def _cpu() -> dict[str, Any]:
     return {"host_cpu": name, "cpu_flags": vector}
 
 
-def _commit() -> str:
+def git_commit() -> str:
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
@@ -90,7 +90,7 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _without_extra_buffer_types(llama_cpp: Any) -> None:
+def without_extra_buffer_types(llama_cpp: Any) -> None:
     """Make every model llama-cpp-python loads from now on skip the extra weight buffer
     types: ``Llama`` reads its defaults from ``llama_model_default_params`` and has no
     argument for this field."""
@@ -110,7 +110,7 @@ def time_gguf(args: argparse.Namespace) -> None:
     import llama_cpp
 
     if not args.extra_buffers:
-        _without_extra_buffer_types(llama_cpp)
+        without_extra_buffer_types(llama_cpp)
     spec = json.loads(args.prompts.read_text())
     longest = max(len(p["ids"]) for p in spec["prompts"]) + args.new_tokens + 8
     llm = llama_cpp.Llama(
@@ -122,7 +122,7 @@ def time_gguf(args: argparse.Namespace) -> None:
         verbose=False,
     )
     env = {
-        **_cpu(),
+        **cpu_record(),
         "system": "llama.cpp",
         "llama_cpp_python": llama_cpp.__version__,
         "gguf": args.gguf.name,
@@ -131,7 +131,7 @@ def time_gguf(args: argparse.Namespace) -> None:
         "model": spec["model"],
         "threads": args.threads,
         "extra_buffer_types": args.extra_buffers,
-        "commit": _commit(),
+        "commit": git_commit(),
     }
     output = args.output or Path(f"results/engine/llamacpp-{args.gguf.stem}.jsonl")
     output.parent.mkdir(parents=True, exist_ok=True)

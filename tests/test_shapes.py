@@ -21,7 +21,14 @@ from knapspec.model.engine import SublayerEngine
 from knapspec.planners import AutoregressivePlanner
 from knapspec.proxies.base import PROXIES
 from knapspec.testing import CheapDraftCostModel
-from knapspec.testing.shapes import SHAPES, ModelShape, random_model, shape, weight_bytes
+from knapspec.testing.shapes import (
+    SHAPES,
+    ModelShape,
+    random_model,
+    random_parameters,
+    shape,
+    weight_bytes,
+)
 
 load_builtin_components()
 
@@ -101,6 +108,29 @@ def test_the_weights_follow_the_seed_not_the_depth() -> None:
                            other.state_dict()["model.layers.0.mlp.up_proj.weight"])  # fmt: skip
     layer_one = deeper.state_dict()["model.layers.1.mlp.up_proj.weight"]
     assert not torch.equal(first["model.layers.0.mlp.up_proj.weight"], layer_one)
+
+
+@pytest.mark.parametrize("name", ["Qwen3-0.6B", "Llama-3.1-8B"])  # tied / untied head
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_streamed_parameters_are_the_models(name: str, dtype: torch.dtype) -> None:
+    """``random_parameters`` (the GGUF writer's source) yields the very numbers
+    ``random_model`` holds, every parameter once, in the model's order."""
+    model = random_model(name, layers=1, vocab=VOCAB, dtype=dtype, seed=2)
+    streamed = list(random_parameters(name, layers=1, vocab=VOCAB, dtype=dtype, seed=2))
+    expected = list(model.named_parameters())
+    assert [n for n, _ in streamed] == [n for n, _ in expected]
+    for (key, tensor), (_, parameter) in zip(streamed, expected, strict=True):
+        assert tensor.dtype == dtype and torch.equal(tensor, parameter), key
+    other = dict(random_parameters(name, layers=1, vocab=VOCAB, dtype=dtype, seed=3))
+    assert not torch.equal(other["model.embed_tokens.weight"], model.model.embed_tokens.weight)
+
+
+def test_a_bfloat16_draw_is_the_float32_draw_rounded() -> None:
+    """What lets one GGUF (converted from the float32 draws) stand for both dtypes' runs."""
+    fp32 = dict(random_parameters("Qwen3-0.6B", layers=1, vocab=VOCAB))
+    bf16 = dict(random_parameters("Qwen3-0.6B", layers=1, vocab=VOCAB, dtype=torch.bfloat16))
+    for key, tensor in fp32.items():
+        assert torch.equal(tensor.to(torch.bfloat16), bf16[key]), key
 
 
 @functools.cache

@@ -12,6 +12,7 @@ never exists in float32 (16 GB, not 32) and nothing runs the framework's slow in
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -242,29 +243,17 @@ def random_model(
             greedy near-ties that no two implementations resolve alike rarer).
     """
     spec = name if isinstance(name, ModelShape) else shape(name)
-    import transformers
-
-    model_class = {
-        "llama": transformers.LlamaForCausalLM,
-        "qwen3": transformers.Qwen3ForCausalLM,
-    }[spec.family]
-    config = spec.config(layers=layers, vocab=vocab)
-    with torch.device("meta"):
-        model: PreTrainedModel = model_class(config)
+    model = _skeleton(spec, layers=layers, vocab=vocab)
+    config: Any = model.config
     torch.nn.Module.to(model, dtype)  # on meta: no storage to cast yet
     model.to_empty(device="cpu")
     model.tie_weights()  # to_empty gives the tied LM head storage of its own: tie again
     backbone: Any = model.model
     # The rotary tables are buffers computed at construction (float32): compute them again.
     backbone.rotary_emb = type(backbone.rotary_emb)(config=config)
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator()
     for parameter_name, parameter in model.named_parameters():
-        if parameter.dim() == 1:  # RMSNorm weights
-            parameter.fill_(1.0)
-            continue
-        # A fixed seed per matrix from its name, so that depth does not shift the draws.
-        generator.manual_seed(seed * 1_000_003 + _name_seed(parameter_name))
-        parameter.normal_(0.0, std, generator=generator)  # in place, in its own dtype
+        _draw(parameter_name, parameter, generator, seed=seed, std=std)
     if head_scale != 1.0 and not spec.tied_embeddings:
         model.lm_head.weight.mul_(head_scale)
     model.generation_config.eos_token_id = None
@@ -272,6 +261,66 @@ def random_model(
     model.generation_config.bos_token_id = None
     model.train(False)
     return model
+
+
+@torch.no_grad()
+def random_parameters(
+    name: str | ModelShape,
+    *,
+    layers: int | None = None,
+    vocab: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    std: float = WEIGHT_STD,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`random_model`'s parameters one at a time, each drawn afresh, without the model.
+
+    Yields ``(transformers parameter name, tensor)`` in the model's parameter order (a
+    tied LM head once, as ``model.embed_tokens.weight``), each tensor the same numbers
+    ``random_model`` puts there with the same arguments (``head_scale`` 1). Only one
+    tensor exists at a time, so a writer can stream a model that does not fit in memory
+    twice (or at all, in float32). A ``bfloat16`` draw is the ``float32`` draw rounded.
+    """
+    generator = torch.Generator()
+    for parameter_name, parameter in _skeleton(name, layers=layers, vocab=vocab).named_parameters():
+        tensor = torch.empty(parameter.shape, dtype=dtype)
+        _draw(parameter_name, tensor, generator, seed=seed, std=std)
+        yield parameter_name, tensor
+
+
+def parameter_shapes(
+    name: str | ModelShape, *, layers: int | None = None, vocab: int | None = None
+) -> list[tuple[str, tuple[int, ...]]]:
+    """``(transformers parameter name, shape)`` of each parameter, in the order
+    :func:`random_parameters` yields them (nothing is allocated)."""
+    model = _skeleton(name, layers=layers, vocab=vocab)
+    return [(key, tuple(value.shape)) for key, value in model.named_parameters()]
+
+
+def _skeleton(name: str | ModelShape, *, layers: int | None, vocab: int | None) -> PreTrainedModel:
+    """The ``transformers`` model of ``name`` on the ``meta`` device (no storage)."""
+    spec = name if isinstance(name, ModelShape) else shape(name)
+    import transformers
+
+    model_class = {
+        "llama": transformers.LlamaForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+    }[spec.family]
+    with torch.device("meta"):
+        model: PreTrainedModel = model_class(spec.config(layers=layers, vocab=vocab))
+    return model
+
+
+def _draw(
+    parameter_name: str, out: torch.Tensor, generator: torch.Generator, *, seed: int, std: float
+) -> None:
+    """Fill ``out`` in place: ones for a norm weight (1-D), else ``N(0, std²)`` from a seed
+    fixed per matrix by its name, so that depth does not shift the draws."""
+    if out.dim() == 1:  # RMSNorm weights
+        out.fill_(1.0)
+        return
+    generator.manual_seed(seed * 1_000_003 + _name_seed(parameter_name))
+    out.normal_(0.0, std, generator=generator)  # in place, in its own dtype
 
 
 def _name_seed(name: str) -> int:
@@ -293,4 +342,13 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-__all__ = ["SHAPES", "WEIGHT_STD", "ModelShape", "random_model", "shape", "weight_bytes"]
+__all__ = [
+    "SHAPES",
+    "WEIGHT_STD",
+    "ModelShape",
+    "parameter_shapes",
+    "random_model",
+    "random_parameters",
+    "shape",
+    "weight_bytes",
+]
