@@ -392,7 +392,7 @@ def main() -> None:
                        repeats=2, prefill_lengths=(128, 512))  # fmt: skip
     bandwidth = stream_bandwidth(128 if args.quick else 512)
     print(f"bandwidth: {bandwidth}", flush=True)
-    failed = False
+    failed = drifted = False
     for name in args.sizes:
         for dtype_name in args.dtypes:
             large = SHAPES[name].parameters() > FP32_LIMIT_PARAMETERS
@@ -403,13 +403,23 @@ def main() -> None:
             for line in lines:
                 line.update(bandwidth=bandwidth, quick=args.quick)
                 append_jsonl(output, json.dumps(line))
-                failed |= line.get("tokens_equal") is False
+                # The contract is speculative = plain (bitwise kernels); a difference from
+                # model.generate alone can be a near-tie between other kernels' sums.
+                failed |= line.get("methods_agree") is False
+                drifted |= line.get("tokens_equal") is False
                 print(json.dumps({k: line[k] for k in _SUMMARY if k in line}), flush=True)
     print(f"appended to {output}")
+    if drifted:
+        print(
+            "note: some tokens differ from model.generate's (first_mismatch_vs_generate): "
+            "other kernels, other sums; the default decoder still equalled plain decoding"
+            if not failed
+            else ""
+        )
     if failed:
         raise SystemExit(
-            "TOKEN MISMATCH: a method's tokens differ from model.generate's (see the "
-            "'generate' lines: methods_agree false is an exactness bug)"
+            "EXACTNESS FAILURE: the default decoder's tokens differ from plain decoding's "
+            "(methods_agree false in the 'generate' lines)"
         )
 
 
