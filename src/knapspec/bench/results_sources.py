@@ -192,7 +192,7 @@ def _engine_rates(
     cpu: str,
     dtype: str,
     commit: str,
-    group: Sequence[Mapping[str, Any]],
+    group: Sequence[dict[str, Any]],
 ) -> Iterator[Figure]:
     """Tokens per second of each system in ``engine_vs_generate`` lines (prefill
     included), per context: what a reader sets beside llama.cpp's rates. Calls that made
