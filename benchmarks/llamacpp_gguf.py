@@ -105,6 +105,17 @@ def without_extra_buffer_types(llama_cpp: Any) -> None:
     bindings.llama_model_default_params = without
 
 
+def add_extra_buffers_option(parser: argparse.ArgumentParser) -> None:
+    """``--no-extra-buffers`` (``args.extra_buffers``: False when given), for every step
+    that loads a GGUF into llama.cpp."""
+    parser.add_argument(
+        "--no-extra-buffers",
+        dest="extra_buffers",
+        action="store_false",
+        help="turn off llama.cpp's repacked/AMX weight buffers (use_extra_bufts)",
+    )
+
+
 def time_gguf(args: argparse.Namespace) -> None:
     """Time greedy decoding of each prompt through llama-cpp-python (its environment)."""
     import llama_cpp
@@ -193,12 +204,7 @@ def main() -> None:
     t.add_argument("--new-tokens", type=int, default=128)
     t.add_argument("--pairs", type=int, default=3)
     t.add_argument("--output", type=Path, default=None)
-    t.add_argument(
-        "--no-extra-buffers",
-        dest="extra_buffers",
-        action="store_false",
-        help="turn off llama.cpp's repacked/AMX weight buffers (use_extra_bufts)",
-    )
+    add_extra_buffers_option(t)
     args = parser.parse_args()
     if args.step == "prompts":
         prompts(args)

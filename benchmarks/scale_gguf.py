@@ -54,7 +54,12 @@ from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.llamacpp_gguf import cpu_record, git_commit, without_extra_buffer_types
+from benchmarks.llamacpp_gguf import (
+    add_extra_buffers_option,
+    cpu_record,
+    git_commit,
+    without_extra_buffer_types,
+)
 
 #: Lowest correlation of llama.cpp's last-position logits with transformers' on the values
 #: the file stores (read back), per format: what is left is llama.cpp's own arithmetic
@@ -333,12 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--repeats", type=int, default=20)
     t.add_argument("--prefill-repeats", type=int, default=2)
     t.add_argument("--output", type=Path, default=None)
-    t.add_argument(
-        "--no-extra-buffers",
-        dest="extra_buffers",
-        action="store_false",
-        help="turn off llama.cpp's repacked/AMX weight buffers (use_extra_bufts)",
-    )
+    add_extra_buffers_option(t)
     return parser
 
 
